@@ -1,0 +1,1 @@
+"""Placeholder: formats are registered here by a later commit."""
