@@ -1,0 +1,1 @@
+"""hanzo custom ops (torch.ops.hanzo.*). Placeholder."""

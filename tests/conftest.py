@@ -1,0 +1,7 @@
+import os
+import sys
+
+import pytest
+import torch
+
+torch.manual_seed(0)
