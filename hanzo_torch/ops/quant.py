@@ -1,0 +1,1 @@
+"""Placeholder for the quantized ops (mul_mat, ...)."""
