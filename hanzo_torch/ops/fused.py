@@ -1,1 +1,470 @@
-"""Placeholder for the fused ops."""
+"""Fused transformer ops: MoE routing, RMSNorm (+add), q/k-norm + RoPE, SwiGLU, KV-cache write, attention.
+
+Each op is a ``torch.library`` custom op in namespace ``hanzo`` with a fake kernel and a
+vectorized-torch reference that runs on any device. The op body asks
+:func:`hanzo_torch.ops._common.kernel_for` for a fast kernel of the input's device and falls back
+to the reference; ``HANZO_<OP>_FALLBACK=1`` forces the reference.
+
+Statistics (norms, softmax, RoPE angles, attention scores, P*V) are computed in float32 whatever
+the activation dtype; results are returned in the input's dtype.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._common import kernel_for
+
+__all__ = [
+    "moe_route_reference",
+    "rms_norm_reference",
+    "add_rms_norm_reference",
+    "qk_norm_rope_reference",
+    "swiglu_reference",
+    "kv_cache_write_reference",
+    "attention_reference",
+    "ATTENTION_IMPLS",
+]
+
+ATTENTION_IMPLS = ("auto", "eager", "flash")
+# Keys per step of the reference flash (online-softmax) attention: bounds its f32 score tile to
+# [B, Hq, T, FLASH_BLOCK].
+FLASH_BLOCK = 256
+
+_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(cond: bool, op: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"hanzo.{op}: {msg}")
+
+
+def _check_float(t: Tensor, op: str, name: str) -> None:
+    _check(t.dtype in _FLOAT_TYPES, op, f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+
+
+def _dispatch(op: str, t: Tensor):
+    return kernel_for(op, t.device.type)
+
+
+# ----------------------------------------------------------------------------------------------
+# moe_route
+# ----------------------------------------------------------------------------------------------
+def _check_moe_route(logits: Tensor, k: int) -> None:
+    _check(logits.dim() == 2, "moe_route", f"logits must be [T, E], got shape {tuple(logits.shape)}")
+    _check_float(logits, "moe_route", "logits")
+    _check(1 <= k <= logits.shape[1], "moe_route", f"k={k} must be in [1, E={logits.shape[1]}]")
+
+
+def moe_route_reference(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    """Softmax over experts (f32), top-k with ties to the lower expert index, optional renormalization."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    # A stable descending sort keeps equal probabilities in index order: ties go to the lower id.
+    vals, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = vals[:, :k].contiguous(), ids[:, :k].contiguous()
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@torch.library.custom_op("hanzo::moe_route", mutates_args=())
+def moe_route(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    """Mixture-of-experts routing in one pass.
+
+    Args:
+        logits: router logits ``[T, E]`` (f32/f16/bf16).
+        k: experts per token (``expert_used_count``), 1 <= k <= E.
+        normalize: divide the k selected probabilities by their sum (Qwen3-MoE's ``norm_topk_prob``).
+
+    Returns:
+        ``(weights float32 [T, k], ids int64 [T, k])``; experts in descending probability, ties to
+        the lower expert index.
+
+    Raises:
+        ValueError: bad shape, dtype or k.
+    """
+    _check_moe_route(logits, k)
+    fn = _dispatch("moe_route", logits)
+    if fn is not None:
+        return fn(logits, k, normalize)
+    return moe_route_reference(logits, k, normalize)
+
+
+@moe_route.register_fake
+def _(logits, k, normalize):
+    _check_moe_route(logits, k)
+    T = logits.shape[0]
+    return logits.new_empty((T, k), dtype=torch.float32), logits.new_empty((T, k), dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# rms_norm / add_rms_norm
+# ----------------------------------------------------------------------------------------------
+def _check_norm(op: str, x: Tensor, w: Tensor) -> None:
+    _check_float(x, op, "x")
+    _check_float(w, op, "w")
+    _check(w.dim() == 1 and x.dim() >= 1 and w.shape[0] == x.shape[-1], op,
+           f"w must be [{x.shape[-1] if x.dim() else '?'}] to match x's last dim, got w {tuple(w.shape)}, x {tuple(x.shape)}")
+
+
+def rms_norm_reference(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps) * w``, statistics and product in float32, result in x.dtype."""
+    xf = x.float()
+    inv = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv * w.float()).to(x.dtype)
+
+
+@torch.library.custom_op("hanzo::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim.
+
+    Args:
+        x: ``[..., H]`` activations (f32/f16/bf16).
+        w: ``[H]`` weight.
+        eps: added to the mean square (``layer_norm_rms_epsilon``).
+
+    Returns:
+        ``[..., H]`` in x.dtype; statistics in float32.
+
+    Raises:
+        ValueError: shape or dtype mismatch.
+    """
+    _check_norm("rms_norm", x, w)
+    fn = _dispatch("rms_norm", x)
+    if fn is not None:
+        return fn(x, w, eps)
+    return rms_norm_reference(x, w, eps)
+
+
+@rms_norm.register_fake
+def _(x, w, eps):
+    _check_norm("rms_norm", x, w)
+    return torch.empty_like(x)
+
+
+def add_rms_norm_reference(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``s = x + residual``; returns ``(rms_norm(s) * w, s)``."""
+    s = x + residual
+    return rms_norm_reference(s, w, eps), s
+
+
+def _check_add_norm(x: Tensor, residual: Tensor, w: Tensor) -> None:
+    _check_norm("add_rms_norm", x, w)
+    _check(x.shape == residual.shape and x.dtype == residual.dtype, "add_rms_norm",
+           f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} must match")
+
+
+@torch.library.custom_op("hanzo::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Fused residual add + RMSNorm.
+
+    Args:
+        x, residual: ``[..., H]`` of one dtype.
+        w: ``[H]``.
+        eps: RMSNorm epsilon.
+
+    Returns:
+        ``(normed, s)``: ``s = x + residual`` (x.dtype) and ``normed = rms_norm(s) * w``.
+
+    Raises:
+        ValueError: shape or dtype mismatch.
+    """
+    _check_add_norm(x, residual, w)
+    fn = _dispatch("add_rms_norm", x)
+    if fn is not None:
+        return fn(x, residual, w, eps)
+    return add_rms_norm_reference(x, residual, w, eps)
+
+
+@add_rms_norm.register_fake
+def _(x, residual, w, eps):
+    _check_add_norm(x, residual, w)
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# qk_norm_rope
+# ----------------------------------------------------------------------------------------------
+def _check_qk(q: Tensor, k: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor], positions: Tensor) -> None:
+    op = "qk_norm_rope"
+    _check(q.dim() == 4 and k.dim() == 4, op, f"q and k must be [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    _check_float(q, op, "q")
+    _check(k.dtype == q.dtype, op, f"q and k dtypes differ: {q.dtype}, {k.dtype}")
+    B, T, _, D = q.shape
+    _check(k.shape[0] == B and k.shape[1] == T and k.shape[3] == D, op,
+           f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, T or D")
+    _check(D % 2 == 0, op, f"head dim {D} must be even for RoPE")
+    _check(positions.shape == (B, T), op, f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
+    _check(not positions.is_floating_point() and positions.dtype != torch.bool, op,
+           f"positions must be an integer tensor, got {positions.dtype}")
+    _check((q_w is None) == (k_w is None), op, "q_w and k_w must both be given or both be None")
+    if q_w is not None:
+        _check(q_w.shape == (D,) and k_w.shape == (D,), op,
+               f"q_w and k_w must be [{D}], got {tuple(q_w.shape)}, {tuple(k_w.shape)}")
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """NEOX RoPE tables: ``cos, sin`` float32 ``[B, T, head_dim/2]`` for integer ``positions [B, T]``.
+
+    ``inv_freq[i] = 1 / theta^(2i / head_dim)``, angle = position * inv_freq (float32), as
+    Hugging Face's Qwen rotary embedding computes it.
+    """
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    angles = positions.float()[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def _rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [B, T, H, D] float32; cos/sin: [B, T, D/2]; rotates pairs (i, i + D/2).
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def qk_norm_rope_reference(q, k, q_w, k_w, positions, theta: float, eps: float) -> tuple[Tensor, Tensor]:
+    """Unfused: per-head RMSNorm of q and k (when weights are given), then NEOX RoPE, in float32."""
+    qf, kf = q.float(), k.float()
+    if q_w is not None:
+        qf = rms_norm_reference(qf, q_w, eps)
+        kf = rms_norm_reference(kf, k_w, eps)
+    cos, sin = rope_cos_sin(positions, q.shape[-1], theta)
+    return _rope_neox(qf, cos, sin).to(q.dtype), _rope_neox(kf, cos, sin).to(k.dtype)
+
+
+@torch.library.custom_op("hanzo::qk_norm_rope", mutates_args=())
+def qk_norm_rope(q: Tensor, k: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor], positions: Tensor,
+                 theta: float, eps: float) -> tuple[Tensor, Tensor]:
+    """Per-head RMSNorm of q and k over D (Qwen3's ``attn_q_norm``/``attn_k_norm``), then NEOX RoPE.
+
+    Args:
+        q: ``[B, T, Hq, D]``; k: ``[B, T, Hk, D]`` (same dtype).
+        q_w, k_w: ``[D]`` norm weights, or both None to skip the norm (Qwen2).
+        positions: integer ``[B, T]`` token positions, read on the device (no host sync).
+        theta: RoPE base (``rope.freq_base``).
+        eps: RMSNorm epsilon.
+
+    Returns:
+        ``(q, k)`` rotated, in the input dtype; pairs ``(i, i + D/2)`` rotate by
+        ``position / theta^(2i/D)`` radians.
+
+    Raises:
+        ValueError: shape or dtype mismatch.
+    """
+    _check_qk(q, k, q_w, k_w, positions)
+    fn = _dispatch("qk_norm_rope", q)
+    if fn is not None:
+        return fn(q, k, q_w, k_w, positions, theta, eps)
+    return qk_norm_rope_reference(q, k, q_w, k_w, positions, theta, eps)
+
+
+@qk_norm_rope.register_fake
+def _(q, k, q_w, k_w, positions, theta, eps):
+    _check_qk(q, k, q_w, k_w, positions)
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+# ----------------------------------------------------------------------------------------------
+# swiglu
+# ----------------------------------------------------------------------------------------------
+def _check_swiglu(gate: Tensor, up: Tensor) -> None:
+    _check_float(gate, "swiglu", "gate")
+    _check(gate.shape == up.shape and gate.dtype == up.dtype, "swiglu",
+           f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
+
+
+def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` in float32, result in gate.dtype."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+@torch.library.custom_op("hanzo::swiglu", mutates_args=())
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU activation: ``silu(gate) * up``, elementwise, shapes ``[..., F]``, computed in float32.
+
+    Raises:
+        ValueError: shape or dtype mismatch.
+    """
+    _check_swiglu(gate, up)
+    fn = _dispatch("swiglu", gate)
+    if fn is not None:
+        return fn(gate, up)
+    return swiglu_reference(gate, up)
+
+
+@swiglu.register_fake
+def _(gate, up):
+    _check_swiglu(gate, up)
+    return torch.empty_like(gate)
+
+
+# ----------------------------------------------------------------------------------------------
+# kv_cache_write
+# ----------------------------------------------------------------------------------------------
+def _check_positions_in_range(op: str, positions: Tensor, S: int) -> None:
+    # Only where it costs no device sync: a GPU kernel must bound-check on the device instead.
+    if positions.device.type == "cpu" and positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        _check(lo >= 0 and hi < S, op, f"positions must be in [0, {S}) (the cache length), got [{lo}, {hi}]")
+
+
+def _check_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    op = "kv_cache_write"
+    _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape, op,
+           f"k_cache and v_cache must be [B, S, Hk, D] of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _check(k.dim() == 4 and k.shape == v.shape, op, f"k and v must be [B, T, Hk, D] of one shape, got {tuple(k.shape)}, {tuple(v.shape)}")
+    B, S, Hk, D = k_cache.shape
+    _check(k.shape[0] == B and k.shape[2:] == (Hk, D), op,
+           f"k {tuple(k.shape)} does not fit the cache {tuple(k_cache.shape)} in B, Hk or D")
+    _check(k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, op,
+           f"dtype mismatch: k {k.dtype} vs cache {k_cache.dtype}, v {v.dtype} vs cache {v_cache.dtype}")
+    _check(positions.shape == k.shape[:2], op, f"positions must be [B, T] = {tuple(k.shape[:2])}, got {tuple(positions.shape)}")
+    _check(not positions.is_floating_point() and positions.dtype != torch.bool, op, "positions must be integers")
+
+
+def kv_cache_write_reference(k_cache, v_cache, k, v, positions) -> None:
+    """``k_cache[b, positions[b, t]] = k[b, t]`` (and v), in place."""
+    B, T = positions.shape
+    b_idx = torch.arange(B, device=positions.device)[:, None].expand(B, T)
+    pos = positions.long()
+    k_cache.index_put_((b_idx, pos), k)
+    v_cache.index_put_((b_idx, pos), v)
+
+
+@torch.library.custom_op("hanzo::kv_cache_write", mutates_args=("k_cache", "v_cache"))
+def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    """Write new keys/values into the static KV cache at their positions, in place.
+
+    Args:
+        k_cache, v_cache: ``[B, S, Hk, D]`` caches (allocated once at max context; never reallocated).
+        k, v: ``[B, T, Hk, D]`` new entries, same dtype as the caches.
+        positions: integer ``[B, T]`` slots to write, each in ``[0, S)``.
+
+    Raises:
+        ValueError: shape/dtype mismatch, or (on CPU) a position outside the cache.
+    """
+    _check_kv(k_cache, v_cache, k, v, positions)
+    _check_positions_in_range("kv_cache_write", positions, k_cache.shape[1])
+    fn = _dispatch("kv_cache_write", k)
+    if fn is not None:
+        fn(k_cache, v_cache, k, v, positions)
+        return
+    kv_cache_write_reference(k_cache, v_cache, k, v, positions)
+
+
+@kv_cache_write.register_fake
+def _(k_cache, v_cache, k, v, positions):
+    _check_kv(k_cache, v_cache, k, v, positions)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# attention
+# ----------------------------------------------------------------------------------------------
+def _check_attention(q, k_cache, v_cache, positions, impl) -> None:
+    op = "attention"
+    _check(impl in ATTENTION_IMPLS, op, f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    _check(q.dim() == 4, op, f"q must be [B, T, Hq, D], got {tuple(q.shape)}")
+    _check_float(q, op, "q")
+    _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape, op,
+           f"k_cache and v_cache must be [B, S, Hk, D] of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    B, T, Hq, D = q.shape
+    _check(k_cache.shape[0] == B and k_cache.shape[3] == D, op,
+           f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)} in B or D")
+    Hk = k_cache.shape[2]
+    _check(Hk > 0 and Hq % Hk == 0, op, f"query heads {Hq} must be a multiple of KV heads {Hk}")
+    _check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, op,
+           f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    _check(positions.shape == (B, T), op, f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
+    _check(not positions.is_floating_point() and positions.dtype != torch.bool, op, "positions must be integers")
+
+
+def _attention_eager(q, k_cache, v_cache, positions, scale):
+    # q: [B, T, Hq, D] -> [B, Hk, G, T, D]; caches [B, S, Hk, D] -> [B, Hk, 1, S, D]
+    B, T, Hq, D = q.shape
+    S, Hk = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hk
+    qf = q.float().view(B, T, Hk, G, D).permute(0, 2, 3, 1, 4)
+    kf = k_cache.float().permute(0, 2, 1, 3)[:, :, None]
+    vf = v_cache.float().permute(0, 2, 1, 3)[:, :, None]
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hk, G, T, S]
+    visible = torch.arange(S, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    out = torch.matmul(p, vf)  # [B, Hk, G, T, D], f32 P*V
+    return out.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
+def _attention_flash(q, k_cache, v_cache, positions, scale):
+    # Online softmax over key blocks of FLASH_BLOCK, running max m, sum l and accumulator acc in f32.
+    B, T, Hq, D = q.shape
+    S, Hk = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hk
+    qf = q.float().view(B, T, Hk, G, D).permute(0, 2, 3, 1, 4)  # [B, Hk, G, T, D]
+    m = torch.full((B, Hk, G, T, 1), float("-inf"), device=q.device)
+    l = torch.zeros((B, Hk, G, T, 1), device=q.device)
+    acc = torch.zeros((B, Hk, G, T, D), device=q.device)
+    for s0 in range(0, S, FLASH_BLOCK):
+        s1 = min(S, s0 + FLASH_BLOCK)
+        kb = k_cache[:, s0:s1].float().permute(0, 2, 1, 3)[:, :, None]
+        vb = v_cache[:, s0:s1].float().permute(0, 2, 1, 3)[:, :, None]
+        sc = torch.matmul(qf, kb.transpose(-1, -2)) * scale  # [B, Hk, G, T, blk]
+        visible = torch.arange(s0, s1, device=q.device)[None, None, :] <= positions[:, :, None]
+        sc = sc.masked_fill(~visible[:, None, None], float("-inf"))
+        m_new = torch.maximum(m, sc.amax(dim=-1, keepdim=True))
+        # Rows with nothing visible yet keep m = -inf; use 0 there so exp() gives 0, not NaN.
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(sc - m_safe)
+        corr = torch.exp(m - m_safe)
+        l = l * corr + p.sum(dim=-1, keepdim=True)
+        acc = acc * corr + torch.matmul(p, vb)
+        m = m_new
+    out = acc / l
+    return out.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
+def attention_reference(q, k_cache, v_cache, positions, scale: float, impl: str = "auto") -> Tensor:
+    """Causal-by-position grouped-query attention, unfused torch. ``auto``: eager for f16/bf16, flash for f32."""
+    if impl == "auto":
+        impl = "flash" if q.dtype == torch.float32 else "eager"
+    fn = _attention_flash if impl == "flash" else _attention_eager
+    return fn(q, k_cache, v_cache, positions, scale).to(q.dtype).contiguous()
+
+
+@torch.library.custom_op("hanzo::attention", mutates_args=())
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, scale: float, impl: str) -> Tensor:
+    """Causal, grouped-query attention of new queries against the KV cache.
+
+    Args:
+        q: ``[B, T, Hq, D]`` queries (already rotated).
+        k_cache, v_cache: ``[B, S, Hk, D]``, Hq a multiple of Hk (query head h reads KV head h // (Hq/Hk)).
+        positions: integer ``[B, T]``: the query at position p attends to cache slots 0..p
+            (slots past p are masked, whatever they hold).
+        scale: score scale, usually ``1/sqrt(D)``.
+        impl: ``"eager"`` (materialized f32 softmax, f32 P*V), ``"flash"`` (online softmax, f32
+            accumulators) or ``"auto"`` (eager for f16/bf16 inputs, per DESIGN.md section 6; flash
+            for f32).
+
+    Returns:
+        ``[B, T, Hq, D]`` in q.dtype.
+
+    Raises:
+        ValueError: shape/dtype mismatch, bad impl, or (on CPU) a position outside the cache.
+    """
+    _check_attention(q, k_cache, v_cache, positions, impl)
+    _check_positions_in_range("attention", positions, k_cache.shape[1])
+    fn = _dispatch("attention", q)
+    if fn is not None:
+        return fn(q, k_cache, v_cache, positions, scale, impl)
+    return attention_reference(q, k_cache, v_cache, positions, scale, impl)
+
+
+@attention.register_fake
+def _(q, k_cache, v_cache, positions, scale, impl):
+    _check_attention(q, k_cache, v_cache, positions, impl)
+    return torch.empty_like(q)
