@@ -57,8 +57,8 @@ if hasattr(_gq, "MXFP4") and hasattr(GGMLQuantizationType, "MXFP4"):
         """``t[i]``: the least positive float32 v with ``floor(log2(v)) >= i - 149`` in numpy float32.
 
         gguf computes the MXFP4 exponent as ``np.floor(np.log2(d))`` in float32, and float32
-        ``log2`` rounds up to the next integer for d within a few ulps below a power of two (7412
-        such float32 values in all), so the exact exponent of d is not what gguf stores. Counting
+        ``log2`` rounds up to the next integer for d within a few ulps below a power of two (about
+        7.5 thousand float32 values), where gguf stores an exponent one above the exact one. Counting
         these thresholds at or below d reproduces numpy's answer exactly, on any device and
         without depending on the device's own ``log2``. Built once at import by bisection on
         float32 bit patterns with numpy's own ``log2``.
