@@ -1,0 +1,561 @@
+"""The format layer of the Triton backend: one unpack rule per ggml format, written once.
+
+Every Triton kernel of hanzo-torch (dequantize, get_rows, mul_mat, mul_mat_id) reads packed
+weights through :func:`unpack`, which turns the bytes of one element's block into the element's
+float32 value. The format is a ``tl.constexpr`` (its ggml type id), so each specialization of a
+kernel compiles only the branch of its own format: adding a format adds one ``_unpack_<fmt>``
+rule here and a row in :data:`SUPPORTED`, and no kernel changes.
+
+Addressing convention (shared by every kernel): for logical column ``k`` of a packed row that
+starts at byte pointer ``row``, the element lives in block ``k // QK`` at byte
+``row + (k // QK) * TS`` and has in-block index ``j = k % QK`` (``QK``/``TS``: the format's
+block size and bytes per block, from the registry in :mod:`hanzo_torch.formats`).
+
+Block layouts are ggml's (``ggml-common.h``); the float arithmetic of every rule follows the
+order of operations of the numpy dequantizers in ``gguf.quants`` so the results are bit-exact
+with them (kernels that must be bit-exact launch with ``enable_fp_fusion=False`` so that no
+multiply-add is contracted into an FMA). The IQ grids and the non-linear value tables
+(IQ4_NL, MXFP4) are read from the ``gguf`` package at run time and passed to the kernels as
+float32 tensors (:func:`format_table`); nothing is copied into this file.
+
+IQ2_XXS, IQ2_XS and IQ3_XXS store 7 sign bits per 8 weights; the 8th sign is the parity of
+the 7 (``../shared/DESIGN.md`` section 2). We compute the parity with three shifts and xors
+instead of gathering from ggml's 128-entry ``ksigns`` table: divergent constant-memory gathers
+were the measured i-quant kernel wall.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as _T
+from gguf import quants as _gq
+
+from ...formats import get_format
+
+# Format ids are the ggml type ids (gguf.GGMLQuantizationType), as compile-time constants.
+F32: tl.constexpr = tl.constexpr(int(_T.F32))
+F16: tl.constexpr = tl.constexpr(int(_T.F16))
+BF16: tl.constexpr = tl.constexpr(int(_T.BF16))
+Q4_0: tl.constexpr = tl.constexpr(int(_T.Q4_0))
+Q4_1: tl.constexpr = tl.constexpr(int(_T.Q4_1))
+Q5_0: tl.constexpr = tl.constexpr(int(_T.Q5_0))
+Q5_1: tl.constexpr = tl.constexpr(int(_T.Q5_1))
+Q8_0: tl.constexpr = tl.constexpr(int(_T.Q8_0))
+Q2_K: tl.constexpr = tl.constexpr(int(_T.Q2_K))
+Q3_K: tl.constexpr = tl.constexpr(int(_T.Q3_K))
+Q4_K: tl.constexpr = tl.constexpr(int(_T.Q4_K))
+Q5_K: tl.constexpr = tl.constexpr(int(_T.Q5_K))
+Q6_K: tl.constexpr = tl.constexpr(int(_T.Q6_K))
+IQ1_S: tl.constexpr = tl.constexpr(int(_T.IQ1_S))
+IQ1_M: tl.constexpr = tl.constexpr(int(_T.IQ1_M))
+IQ2_XXS: tl.constexpr = tl.constexpr(int(_T.IQ2_XXS))
+IQ2_XS: tl.constexpr = tl.constexpr(int(_T.IQ2_XS))
+IQ2_S: tl.constexpr = tl.constexpr(int(_T.IQ2_S))
+IQ3_XXS: tl.constexpr = tl.constexpr(int(_T.IQ3_XXS))
+IQ3_S: tl.constexpr = tl.constexpr(int(_T.IQ3_S))
+IQ4_NL: tl.constexpr = tl.constexpr(int(_T.IQ4_NL))
+IQ4_XS: tl.constexpr = tl.constexpr(int(_T.IQ4_XS))
+TQ1_0: tl.constexpr = tl.constexpr(int(_T.TQ1_0))
+TQ2_0: tl.constexpr = tl.constexpr(int(_T.TQ2_0))
+MXFP4: tl.constexpr = tl.constexpr(int(_T.MXFP4))
+NVFP4: tl.constexpr = tl.constexpr(int(getattr(_T, "NVFP4", -1)))
+
+# Where each format's table comes from in the gguf package (grid rows flattened, or a value list).
+_GRIDS = {
+    "IQ1_S": _gq.IQ1_S, "IQ1_M": _gq.IQ1_M, "IQ2_XXS": _gq.IQ2_XXS, "IQ2_XS": _gq.IQ2_XS,
+    "IQ2_S": _gq.IQ2_S, "IQ3_XXS": _gq.IQ3_XXS, "IQ3_S": _gq.IQ3_S,
+}
+_VALUES = {"IQ4_NL": _gq.IQ4_NL, "IQ4_XS": _gq.IQ4_NL, "MXFP4": _gq.MXFP4}
+if hasattr(_gq, "NVFP4"):
+    _VALUES["NVFP4"] = _gq.NVFP4
+
+# The formats the unpack rules cover: ggml name -> ggml type id.
+SUPPORTED: dict[str, int] = {
+    n: int(_T[n])
+    for n in (
+        "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+        "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+        "TQ1_0", "TQ2_0", "MXFP4", "NVFP4",
+    )
+    if hasattr(_T, n)
+}
+
+
+def _name(qtype) -> str:
+    """ggml name of ``qtype`` (name, id or Format), via the registry, else the gguf enum."""
+    try:
+        return get_format(qtype).name
+    except ValueError:
+        key = qtype.upper() if isinstance(qtype, str) else qtype
+        try:
+            return _T[key].name if isinstance(key, str) else _T(int(key)).name
+        except (KeyError, ValueError, TypeError):
+            raise ValueError(f"Triton backend: unknown ggml type {qtype!r}") from None
+
+
+def format_info(qtype) -> tuple[int, int, int]:
+    """``(type_id, block_size, type_size)`` of ``qtype`` for the kernels.
+
+    Sizes come from the format registry (:mod:`hanzo_torch.formats`); a format the Triton
+    rules cover but the registry does not (yet) hold takes them from ``gguf.GGML_QUANT_SIZES``.
+
+    Raises:
+        ValueError: the format is unknown or has no Triton unpack rule.
+    """
+    name = _name(qtype)
+    if name not in SUPPORTED:
+        raise ValueError(f"Triton backend: no unpack rule for format {name}; supported: {', '.join(SUPPORTED)}")
+    try:
+        fmt = get_format(name)
+        return fmt.type_id, fmt.block_size, fmt.type_size
+    except ValueError:
+        qk, ts = GGML_QUANT_SIZES[_T[name]]
+        return SUPPORTED[name], qk, ts
+
+
+@functools.lru_cache(maxsize=None)
+def _table_host(name: str) -> torch.Tensor:
+    if name in _GRIDS:
+        cls = _GRIDS[name]
+        cls.init_grid()
+        return torch.from_numpy(np.ascontiguousarray(cls.grid, dtype=np.float32).reshape(-1))
+    if name in _VALUES:
+        return torch.tensor(_VALUES[name].kvalues, dtype=torch.float32)
+    return torch.zeros(1, dtype=torch.float32)
+
+
+_TABLE_CACHE: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def format_table(qtype: str, device: torch.device) -> torch.Tensor:
+    """The float32 lookup table of ``qtype`` on ``device`` (a 1-element dummy if it has none).
+
+    IQ formats: the gguf grid, ``[n_rows * row_width]`` (row ``i`` holds the grid values of
+    index ``i``); IQ4_NL/IQ4_XS/MXFP4/NVFP4: the 16 values of the 4-bit code. Cached per device
+    so decode never copies it again (no host->device traffic per op).
+    """
+    name = _name(qtype)
+    key = (name, str(device))
+    t = _TABLE_CACHE.get(key)
+    if t is None:
+        t = _table_host(name).to(device)
+        _TABLE_CACHE[key] = t
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# byte readers (little-endian, as ggml stores them)
+
+@triton.jit
+def _u8(p, mask):
+    return tl.load(p, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _u16(p, mask):
+    return _u8(p, mask) | (_u8(p + 1, mask) << 8)
+
+
+@triton.jit
+def _u32(p, mask):
+    b0 = tl.load(p, mask=mask, other=0).to(tl.uint32)
+    b1 = tl.load(p + 1, mask=mask, other=0).to(tl.uint32)
+    b2 = tl.load(p + 2, mask=mask, other=0).to(tl.uint32)
+    b3 = tl.load(p + 3, mask=mask, other=0).to(tl.uint32)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
+@triton.jit
+def _f16_bits(h):
+    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16(p, mask):
+    return _f16_bits(_u16(p, mask))
+
+
+@triton.jit
+def _i8(p, mask):
+    return tl.load(p, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def _nibble16(qs, j, mask):
+    # 32 4-bit values in 16 bytes: value j < 16 is the low nibble of byte j, j >= 16 the high
+    # nibble of byte j - 16 (ggml's legacy/IQ4_NL/MXFP4 order).
+    b = _u8(qs + (j % 16), mask)
+    return (b >> (4 * (j // 16))) & 0xF
+
+
+@triton.jit
+def _parity7(s):
+    # Parity of the 7 stored sign bits = the 8th sign (see module docstring).
+    p = s ^ (s >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return p & 1
+
+
+@triton.jit
+def _sign8(s7, i):
+    # Sign bit i (0..7) of the 8 signs encoded by 7 stored bits + parity.
+    s8 = s7 | (_parity7(s7) << 7)
+    return (s8 >> i) & 1
+
+
+# ---------------------------------------------------------------------------------------------
+# one rule per format: (block pointer, in-block index j, mask, table) -> float32
+
+@triton.jit
+def _unpack_q4_0(b, j, m):
+    d = _f16(b, m)
+    return d * (_nibble16(b + 2, j, m) - 8).to(tl.float32)
+
+
+@triton.jit
+def _unpack_q4_1(b, j, m):
+    d = _f16(b, m)
+    mn = _f16(b + 2, m)
+    return d * _nibble16(b + 4, j, m).to(tl.float32) + mn
+
+
+@triton.jit
+def _unpack_q5_0(b, j, m):
+    d = _f16(b, m)
+    qh = (_u32(b + 2, m) >> j.to(tl.uint32)) & 1
+    q = _nibble16(b + 6, j, m) | (qh.to(tl.int32) << 4)
+    return d * (q - 16).to(tl.float32)
+
+
+@triton.jit
+def _unpack_q5_1(b, j, m):
+    d = _f16(b, m)
+    mn = _f16(b + 2, m)
+    qh = (_u32(b + 4, m) >> j.to(tl.uint32)) & 1
+    q = _nibble16(b + 8, j, m) | (qh.to(tl.int32) << 4)
+    return d * q.to(tl.float32) + mn
+
+
+@triton.jit
+def _unpack_q8_0(b, j, m):
+    return _i8(b + 2 + j, m).to(tl.float32) * _f16(b, m)
+
+
+@triton.jit
+def _unpack_q2_k(b, j, m):
+    # scales[16] qs[64] d dmin; value = d*(sc&15) * q - dmin*(sc>>4), 16 values per scale.
+    sc = _u8(b + j // 16, m)
+    d = _f16(b + 80, m)
+    dmin = _f16(b + 82, m)
+    r = j % 128
+    q = (_u8(b + 16 + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+    dl = d * (sc & 0xF).to(tl.float32)
+    ml = dmin * (sc >> 4).to(tl.float32)
+    return dl * q.to(tl.float32) - ml
+
+
+@triton.jit
+def _unpack_q3_k(b, j, m):
+    # hmask[32] qs[64] scales[12] d; 6-bit signed scales (minus 32), q = low2 - 4*(1 - hbit).
+    hbit = (_u8(b + j % 32, m) >> (j // 32)) & 1
+    r = j % 128
+    ql = (_u8(b + 32 + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+    s = j // 16
+    lo = (_u8(b + 96 + s % 8, m) >> (4 * (s // 8))) & 0xF
+    hi = (_u8(b + 104 + s % 4, m) >> (2 * (s // 4))) & 3
+    scale = (lo | (hi << 4)) - 32
+    d = _f16(b + 108, m)
+    dl = d * scale.to(tl.float32)
+    return dl * (ql - ((1 - hbit) << 2)).to(tl.float32)
+
+
+@triton.jit
+def _scale_min_k4(b, s, m):
+    # 6-bit scale and min of sub-block s (0..7) from the 12 packed bytes at b (Q4_K, Q5_K).
+    lo = s < 4
+    a = _u8(b + s % 4, m)        # scales[s] (s < 4) or the top bits source scales[s-4]
+    c = _u8(b + 4 + s % 4, m)    # scales[s+4] (s < 4) or scales[s] (s >= 4)
+    e = _u8(b + 8 + s % 4, m)    # scales[s+4] for s >= 4
+    sc = tl.where(lo, a & 63, (e & 0xF) | ((a >> 6) << 4))
+    mn = tl.where(lo, c & 63, (e >> 4) | ((c >> 6) << 4))
+    return sc, mn
+
+
+@triton.jit
+def _unpack_q4_k(b, j, m):
+    # d dmin scales[12] qs[128]; value = d*sc * q - dmin*mn, 32 values per sub-block.
+    d = _f16(b, m)
+    dmin = _f16(b + 2, m)
+    s = j // 32
+    sc, mn = _scale_min_k4(b + 4, s, m)
+    q = (_u8(b + 16 + (j // 64) * 32 + j % 32, m) >> (4 * (s % 2))) & 0xF
+    ds = d * sc.to(tl.float32)
+    dm = dmin * mn.to(tl.float32)
+    return ds * q.to(tl.float32) - dm
+
+
+@triton.jit
+def _unpack_q5_k(b, j, m):
+    # d dmin scales[12] qh[32] qs[128]
+    d = _f16(b, m)
+    dmin = _f16(b + 2, m)
+    s = j // 32
+    sc, mn = _scale_min_k4(b + 4, s, m)
+    ql = (_u8(b + 48 + (j // 64) * 32 + j % 32, m) >> (4 * (s % 2))) & 0xF
+    qh = (_u8(b + 16 + j % 32, m) >> s) & 1
+    ds = d * sc.to(tl.float32)
+    dm = dmin * mn.to(tl.float32)
+    return ds * (ql | (qh << 4)).to(tl.float32) - dm
+
+
+@triton.jit
+def _unpack_q6_k(b, j, m):
+    # ql[128] qh[64] scales[16] (int8) d; value = d*sc * (q - 32), 16 values per scale.
+    h = j // 128
+    r = j % 128
+    ql = (_u8(b + h * 64 + r % 64, m) >> (4 * (r // 64))) & 0xF
+    qh = (_u8(b + 128 + h * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+    sc = _i8(b + 192 + j // 16, m)
+    d = _f16(b + 208, m)
+    ds = d * sc.to(tl.float32)
+    return ds * ((ql | (qh << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def _unpack_tq1_0(b, j, m):
+    # qs[48] qh[4] d: base-3 digits packed 5 (or 4) per byte as a fixed-point fraction.
+    first = j < 160
+    mid = (j >= 160) & (j < 240)
+    jj = tl.where(first, j, tl.where(mid, j - 160, j - 240))
+    byte_i = tl.where(first, jj % 32, tl.where(mid, 32 + jj % 16, 48 + jj % 4))
+    digit = tl.where(first, jj // 32, tl.where(mid, jj // 16, jj // 4))
+    pw = tl.where(digit == 0, 1, tl.where(digit == 1, 3, tl.where(digit == 2, 9, tl.where(digit == 3, 27, 81))))
+    v = (_u8(b + byte_i, m) * pw) & 0xFF
+    q = ((v * 3) >> 8) - 1
+    return _f16(b + 52, m) * q.to(tl.float32)
+
+
+@triton.jit
+def _unpack_tq2_0(b, j, m):
+    # qs[64] d: 2-bit codes 0..2 meaning -1..1.
+    r = j % 128
+    q = ((_u8(b + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3) - 1
+    return _f16(b + 64, m) * q.to(tl.float32)
+
+
+@triton.jit
+def _unpack_mxfp4(b, j, m, tab):
+    # e (E8M0 exponent) qs[16]: value = 2^(e-128) * kvalues[q] (kvalues doubled e2m1).
+    e = _u8(b, m)
+    bits = tl.where(e < 2, (0x00200000 << e), (e - 1) << 23)
+    d = bits.to(tl.float32, bitcast=True)
+    kv = tl.load(tab + _nibble16(b + 1, j, m), mask=m, other=0.0)
+    return d * kv
+
+
+@triton.jit
+def _unpack_nvfp4(b, j, m, tab):
+    # 4 UE4M3 scales (one per 16 values) then qs[32]; value = 0.5 * ue4m3(s) * kvalues[q].
+    s = j // 16
+    r = j % 16
+    x = _u8(b + s, m)
+    ex = (x >> 3) & 0xF
+    man = (x & 7).to(tl.float32)
+    sub = man * 0.001953125  # 2^-9
+    nrm = (1.0 + man / 8.0) * ((ex + 120) << 23).to(tl.float32, bitcast=True)  # 2^(ex-7)
+    raw = tl.where(ex == 0, sub, nrm)
+    d = tl.where((x == 0) | (x == 0x7F), 0.0, raw * 0.5)
+    q = (_u8(b + 4 + s * 8 + r % 8, m) >> (4 * (r // 8))) & 0xF
+    kv = tl.load(tab + q, mask=m, other=0.0)
+    return d * kv
+
+
+@triton.jit
+def _unpack_iq4_nl(b, j, m, tab):
+    kv = tl.load(tab + _nibble16(b + 2, j, m), mask=m, other=0.0)
+    return _f16(b, m) * kv
+
+
+@triton.jit
+def _unpack_iq4_xs(b, j, m, tab):
+    # d scales_h(u16) scales_l[4] qs[128]; 6-bit scale (minus 32) per 32 values.
+    ib = j // 32
+    sl = (_u8(b + 4 + ib // 2, m) >> (4 * (ib % 2))) & 0xF
+    sh = (_u16(b + 2, m) >> (2 * ib)) & 3
+    dl = _f16(b, m) * ((sl | (sh << 4)) - 32).to(tl.float32)
+    r = j % 32
+    q = (_u8(b + 8 + ib * 16 + r % 16, m) >> (4 * (r // 16))) & 0xF
+    return dl * tl.load(tab + q, mask=m, other=0.0)
+
+
+@triton.jit
+def _unpack_iq2_xxs(b, j, m, tab):
+    # d then 8 x (4 grid-index bytes, u32 = 4 x 7 sign bits + 4-bit scale); 32 values each.
+    ib = j // 32
+    l = (j % 32) // 8
+    i = j % 8
+    g = b + 2 + ib * 8
+    aux = _u32(g + 4, m)
+    db = _f16(b, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.25
+    s7 = ((aux >> (7 * l).to(tl.uint32)) & 127).to(tl.int32)
+    gv = tl.load(tab + _u8(g + l, m) * 8 + i, mask=m, other=0.0)
+    v = db * gv
+    return tl.where(_sign8(s7, i) != 0, -v, v)
+
+
+@triton.jit
+def _unpack_iq2_xs(b, j, m, tab):
+    # d qs[32] (u16: 9-bit grid index | 7 sign bits << 9) scales[8] (4 bits per 16 values)
+    gi = j // 8
+    i = j % 8
+    q = _u16(b + 2 + gi * 2, m)
+    sc = (_u8(b + 66 + j // 32, m) >> (4 * ((j // 16) % 2))) & 0xF
+    db = _f16(b, m) * (0.5 + sc.to(tl.float32)) * 0.25
+    gv = tl.load(tab + (q & 511) * 8 + i, mask=m, other=0.0)
+    v = db * gv
+    return tl.where(_sign8(q >> 9, i) != 0, -v, v)
+
+
+@triton.jit
+def _unpack_iq2_s(b, j, m, tab):
+    # d qs[32] signs[32] qh[8] scales[8]; 10-bit grid index = qs | 2 bits of qh << 8.
+    gi = j // 8
+    i = j % 8
+    idx = _u8(b + 2 + gi, m) | (((_u8(b + 66 + gi // 4, m) >> (2 * (gi % 4))) & 3) << 8)
+    sgn = (_u8(b + 34 + gi, m) >> i) & 1
+    sc = (_u8(b + 74 + j // 32, m) >> (4 * ((j // 16) % 2))) & 0xF
+    db = _f16(b, m) * (0.5 + sc.to(tl.float32)) * 0.25
+    v = db * tl.load(tab + idx * 8 + i, mask=m, other=0.0)
+    return tl.where(sgn != 0, -v, v)
+
+
+@triton.jit
+def _unpack_iq3_xxs(b, j, m, tab):
+    # d qs[64] (grid index per 4 values) then 8 x u32 (4 x 7 sign bits + 4-bit scale).
+    ib = j // 32
+    l = (j % 32) // 8
+    i = j % 8
+    aux = _u32(b + 66 + ib * 4, m)
+    db = _f16(b, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.5
+    s7 = ((aux >> (7 * l).to(tl.uint32)) & 127).to(tl.int32)
+    gv = tl.load(tab + _u8(b + 2 + j // 4, m) * 4 + j % 4, mask=m, other=0.0)
+    v = db * gv
+    return tl.where(_sign8(s7, i) != 0, -v, v)
+
+
+@triton.jit
+def _unpack_iq3_s(b, j, m, tab):
+    # d qs[64] qh[8] signs[32] scales[4]; 9-bit grid index, explicit signs, scale 1 + 2*s.
+    qi = j // 4
+    idx = _u8(b + 2 + qi, m) | (((_u8(b + 66 + qi // 8, m) >> (qi % 8)) & 1) << 8)
+    sgn = (_u8(b + 74 + j // 8, m) >> (j % 8)) & 1
+    sc = (_u8(b + 106 + j // 64, m) >> (4 * ((j // 32) % 2))) & 0xF
+    db = _f16(b, m) * (1 + 2 * sc).to(tl.float32)
+    v = db * tl.load(tab + idx * 4 + j % 4, mask=m, other=0.0)
+    return tl.where(sgn != 0, -v, v)
+
+
+@triton.jit
+def _unpack_iq1_s(b, j, m, tab):
+    # d qs[32] qh[8] (u16 per 32 values: 4 x 3 index bits, 3-bit scale, delta sign)
+    ib = j // 32
+    l = (j % 32) // 8
+    qh = _u16(b + 34 + ib * 2, m)
+    dl = _f16(b, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+    delta = tl.where((qh & 0x8000) == 0, 0.125, -0.125)
+    idx = _u8(b + 2 + ib * 4 + l, m) | (((qh >> (3 * l)) & 7) << 8)
+    gv = tl.load(tab + idx * 8 + j % 8, mask=m, other=0.0)
+    return dl * (gv + delta)
+
+
+@triton.jit
+def _unpack_iq1_m(b, j, m, tab):
+    # qs[32] qh[16] scales[8]: the f16 d is spread over the top nibbles of the 4 scale u16s.
+    s0 = _u16(b + 48, m)
+    s1 = _u16(b + 50, m)
+    s2 = _u16(b + 52, m)
+    s3 = _u16(b + 54, m)
+    d = _f16_bits(((s0 & 0xF000) >> 12) | ((s1 & 0xF000) >> 8) | ((s2 & 0xF000) >> 4) | (s3 & 0xF000))
+    t = j // 16
+    sc = (_u16(b + 48 + 2 * (t // 4), m) >> (3 * (t % 4))) & 7
+    dl = d * (2 * sc + 1).to(tl.float32)
+    u = j // 8
+    qh = (_u8(b + 32 + u // 2, m) >> (4 * (u % 2))) & 0xF
+    idx = _u8(b + u, m) | ((qh & 7) << 8)
+    delta = tl.where((qh & 8) == 0, 0.125, -0.125)
+    gv = tl.load(tab + idx * 8 + j % 8, mask=m, other=0.0)
+    return dl * (gv + delta)
+
+
+@triton.jit
+def unpack(b, j, m, tab, FMT: tl.constexpr):
+    """float32 value of in-block element ``j`` of the block at byte pointer ``b`` (format FMT).
+
+    ``b``, ``j`` and ``m`` (load mask) broadcast together; ``tab`` is :func:`format_table`.
+    """
+    if FMT == F32:
+        return _u32(b, m).to(tl.float32, bitcast=True)
+    elif FMT == F16:
+        return _f16(b, m)
+    elif FMT == BF16:
+        return (_u16(b, m).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    elif FMT == Q4_0:
+        return _unpack_q4_0(b, j, m)
+    elif FMT == Q4_1:
+        return _unpack_q4_1(b, j, m)
+    elif FMT == Q5_0:
+        return _unpack_q5_0(b, j, m)
+    elif FMT == Q5_1:
+        return _unpack_q5_1(b, j, m)
+    elif FMT == Q8_0:
+        return _unpack_q8_0(b, j, m)
+    elif FMT == Q2_K:
+        return _unpack_q2_k(b, j, m)
+    elif FMT == Q3_K:
+        return _unpack_q3_k(b, j, m)
+    elif FMT == Q4_K:
+        return _unpack_q4_k(b, j, m)
+    elif FMT == Q5_K:
+        return _unpack_q5_k(b, j, m)
+    elif FMT == Q6_K:
+        return _unpack_q6_k(b, j, m)
+    elif FMT == TQ1_0:
+        return _unpack_tq1_0(b, j, m)
+    elif FMT == TQ2_0:
+        return _unpack_tq2_0(b, j, m)
+    elif FMT == MXFP4:
+        return _unpack_mxfp4(b, j, m, tab)
+    elif FMT == NVFP4:
+        return _unpack_nvfp4(b, j, m, tab)
+    elif FMT == IQ4_NL:
+        return _unpack_iq4_nl(b, j, m, tab)
+    elif FMT == IQ4_XS:
+        return _unpack_iq4_xs(b, j, m, tab)
+    elif FMT == IQ2_XXS:
+        return _unpack_iq2_xxs(b, j, m, tab)
+    elif FMT == IQ2_XS:
+        return _unpack_iq2_xs(b, j, m, tab)
+    elif FMT == IQ2_S:
+        return _unpack_iq2_s(b, j, m, tab)
+    elif FMT == IQ3_XXS:
+        return _unpack_iq3_xxs(b, j, m, tab)
+    elif FMT == IQ3_S:
+        return _unpack_iq3_s(b, j, m, tab)
+    elif FMT == IQ1_S:
+        return _unpack_iq1_s(b, j, m, tab)
+    else:
+        tl.static_assert(FMT == IQ1_M, "unpack: format id without a rule")
+        return _unpack_iq1_m(b, j, m, tab)
+
+
+@triton.jit
+def unpack_at(row, k, m, tab, FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr):
+    """float32 value of logical column ``k`` of the packed row starting at byte pointer ``row``."""
+    return unpack(row + (k // QK) * TS, k % QK, m, tab, FMT)

@@ -1,0 +1,435 @@
+"""Triton kernels of the quantized ops: dequantize, get_rows, mul_mat, mul_mat_id, quantize_q8_1.
+
+Every kernel reads packed weights through :func:`.formats.unpack_at`, generic over the format
+(a ``tl.constexpr`` ggml type id); nothing here knows any block layout. The Python wrappers
+have the signatures of the ``hanzo`` ops (docs/ARCHITECTURE.md) and are what
+``hanzo_torch.ops.triton`` registers for device type ``"cuda"`` (CUDA and ROCm).
+
+Contractions (``../shared/DESIGN.md`` section 5):
+- decode mat-vec (``M <= MATVEC_MAX_M``): each program owns ``BN`` weight rows and streams them
+  once over K, unpacking to float32 and FMA-ing against all M activation rows, so the weight
+  bytes are read once per op whatever M is. The activation is read as-is (not re-quantized per
+  block: folding the activation quantization into every mat-vec block cost -22% in a
+  bandwidth-bound kernel). The next step, an int8 dot against q8_1, must quantize the
+  activation once per op with :func:`quantize_q8_1` and pass the q8_1 rows in.
+- prefill GEMM: 2-D tiles, weight tile unpacked to the activation's dtype (bf16/f16 on tensor
+  cores, f32 in IEEE) and fed to ``tl.dot``; each weight tile is decoded once per BM rows of
+  activations (the naive tensor-core prefill that re-decoded per tiny tile was 0.26x of int8).
+- mul_mat_id: expert ids are read on the device. Decode: one launch over all routed slots.
+  Prefill: slots are grouped by expert on the device (argsort + per-expert padding to BM, no
+  host sync) so each expert's weight is streamed once per BM tokens (2.58x measured).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import format_info, format_table, unpack_at
+
+MATVEC_MAX_M = 8
+"""Largest number of activation rows that takes the mat-vec path (decode); above: tiled GEMM.
+From the issue brief (M <= 8: decode batch sizes); retune on a GPU with benchmarks/triton_gpu_check.py."""
+
+_DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _check_float(x: torch.Tensor, op: str) -> None:
+    if x.dtype not in _DOT_DTYPES:
+        raise ValueError(f"{op}: activations must be float32/bfloat16/float16, got {x.dtype}")
+
+
+def _check_packed(w: torch.Tensor, op: str) -> None:
+    if w.dtype != torch.uint8:
+        raise ValueError(f"{op}: packed weight must be uint8, got {w.dtype}")
+
+
+def _row_length(rb: int, qk: int, ts: int, qtype: str, op: str) -> int:
+    if rb % ts:
+        raise ValueError(f"{op}: {qtype} row of {rb} bytes is not a whole number of {ts}-byte blocks")
+    return rb // ts * qk
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantize / get_rows
+
+@triton.jit
+def _dequantize_kernel(src, dst, ids, tab, n_src_rows, K, rb,
+                       FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr,
+                       GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    # One program: BLOCK values of one output row. GATHER: the source row is ids[row] (get_rows).
+    r = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = k < K
+    if GATHER:
+        src_row = tl.load(ids + r).to(tl.int64)
+        ok = (src_row >= 0) & (src_row < n_src_rows)
+        v = unpack_at(src + src_row * rb, k, m & ok, tab, FMT, QK, TS)
+        v = tl.where(ok, v, float("nan"))  # an out-of-range id gives a NaN row, never a wild read
+    else:
+        v = unpack_at(src + r * rb, k, m, tab, FMT, QK, TS)
+    tl.store(dst + r * K + k, v.to(dst.dtype.element_ty), mask=m)
+
+
+_DEQUANT_BLOCK = 1024
+
+
+def dequantize(data: torch.Tensor, qtype: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Triton ``hanzo::dequantize``: packed ``uint8`` bytes -> ``dtype`` tensor of ``shape``.
+
+    Bit-exact with ``gguf.quants.dequantize`` in float32 (launched without FMA contraction);
+    other dtypes are the float32 values rounded to nearest even. Raises ValueError on a format
+    without an unpack rule, a bad row length or a byte count that does not match ``shape``.
+    """
+    fid, qk, ts = format_info(qtype)
+    _check_packed(data, "dequantize")
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        raise ValueError("dequantize: shape must have at least one dim")
+    K = shape[-1]
+    if K % qk:
+        raise ValueError(f"dequantize: {qtype} row length {K} is not a multiple of the block size {qk}")
+    rows = math.prod(shape[:-1])
+    rb = K // qk * ts
+    if data.numel() != rows * rb:
+        raise ValueError(f"dequantize: {qtype} tensor of shape {shape} needs {rows * rb} bytes, got {data.numel()}")
+    out = torch.empty(shape, dtype=dtype, device=data.device)
+    if out.numel() == 0:
+        return out
+    data = data.contiguous()
+    grid = (rows, triton.cdiv(K, _DEQUANT_BLOCK))
+    _dequantize_kernel[grid](data, out, data, format_table(qtype, data.device), rows, K, rb,
+                             FMT=fid, QK=qk, TS=ts, GATHER=False, BLOCK=_DEQUANT_BLOCK,
+                             enable_fp_fusion=False)
+    return out
+
+
+def get_rows(w: torch.Tensor, ids: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
+    """Triton ``hanzo::get_rows``: rows ``ids`` of packed ``w [V, rb]`` -> ``dtype [..., H]``.
+
+    ``ids`` (any integer dtype and shape) stay on the device; an id outside ``[0, V)`` yields a
+    row of NaN (checking on the host would synchronize). Values are bit-exact with dequantize.
+    """
+    fid, qk, ts = format_info(qtype)
+    _check_packed(w, "get_rows")
+    if w.dim() != 2:
+        raise ValueError(f"get_rows: packed weight must be 2-D [V, row_bytes], got shape {tuple(w.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"get_rows: ids must be an integer tensor, got {ids.dtype}")
+    V, rb = w.shape
+    H = _row_length(rb, qk, ts, qtype, "get_rows")
+    out = torch.empty((*ids.shape, H), dtype=dtype, device=w.device)
+    n = ids.numel()
+    if n == 0 or H == 0:
+        return out
+    w = w.contiguous()
+    flat = ids.reshape(-1).contiguous()
+    grid = (n, triton.cdiv(H, _DEQUANT_BLOCK))
+    _dequantize_kernel[grid](w, out, flat, format_table(qtype, w.device), V, H, rb,
+                             FMT=fid, QK=qk, TS=ts, GATHER=True, BLOCK=_DEQUANT_BLOCK,
+                             enable_fp_fusion=False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# mul_mat: decode mat-vec and prefill GEMM
+
+@triton.jit
+def _matvec_kernel(x, w, y, tab, ids, M, N, K, rb, x_div, n_experts,
+                   FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr,
+                   INDEXED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # y[m, n] = sum_k x[m, k] * W[n, k] for BN rows n and all (<= BM) rows m.
+    # INDEXED (mul_mat_id decode): program_id(1) is a routed slot s; the weight is expert
+    # ids[s] of w [E, N, rb], the activation row is x[s // x_div], and M == 1.
+    pid_n = tl.program_id(0)
+    n = pid_n * BN + tl.arange(0, BN)
+    nm = n < N
+    mm = tl.arange(0, BM)
+    if INDEXED:
+        s = tl.program_id(1).to(tl.int64)
+        e = tl.load(ids + s).to(tl.int64)
+        ok = (e >= 0) & (e < n_experts)
+        nm = nm & ok
+        w = w + e * N * rb
+        x = x + (s // x_div) * K
+        y = y + s * N
+    rows = w + n.to(tl.int64)[:, None] * rb                      # [BN, 1]
+    acc = tl.zeros((BM, BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        wt = unpack_at(rows, k[None, :], nm[:, None] & km[None, :], tab, FMT, QK, TS)   # [BN, BK]
+        xt = tl.load(x + mm[:, None].to(tl.int64) * K + k[None, :],
+                     mask=(mm[:, None] < M) & km[None, :], other=0.0).to(tl.float32)    # [BM, BK]
+        acc += xt[:, None, :] * wt[None, :, :]
+    out = tl.sum(acc, axis=2)
+    if INDEXED:
+        out = tl.where(ok, out, float("nan"))  # out-of-range expert id: NaN row, no wild read
+    tl.store(y + mm[:, None].to(tl.int64) * N + n[None, :], out.to(y.dtype.element_ty),
+             mask=(mm[:, None] < M) & (n[None, :] < N))
+
+
+@triton.jit
+def _gemm_kernel(x, w, y, tab, rows_idx, tile_expert, M, N, K, rb, x_div, n_experts,
+                 FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, DOT: tl.constexpr,
+                 PREC: tl.constexpr, GROUPED: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    # Y[BM, BN] tiles of x @ W^T. GROUPED (mul_mat_id prefill): tile t holds the BM slots
+    # rows_idx[t*BM : (t+1)*BM] (-1 = padding), all routed to expert tile_expert[t].
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    if GROUPED:
+        pid_m = pid // n_n
+        pid_n = pid % n_n
+    else:
+        # grouped launch order: GROUP_M row tiles share each weight tile while it is in L2
+        width = GROUP_M * n_n
+        first_m = (pid // width) * GROUP_M
+        gm = tl.minimum(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % gm
+        pid_n = (pid % width) // gm
+    r = pid_m * BM + tl.arange(0, BM)
+    n = pid_n * BN + tl.arange(0, BN)
+    if GROUPED:
+        e = tl.load(tile_expert + pid_m).to(tl.int64)
+        if e >= n_experts:
+            return  # tile past the last expert's padded group
+        slot = tl.load(rows_idx + r.to(tl.int64), mask=r < M, other=-1).to(tl.int64)
+        rm = slot >= 0
+        xrow = tl.where(rm, slot // x_div, 0)
+        yrow = tl.where(rm, slot, 0)
+        w = w + e * N * rb
+    else:
+        rm = r < M
+        xrow = r.to(tl.int64)
+        yrow = r.to(tl.int64)
+    nm = n < N
+    wrows = w + n.to(tl.int64)[None, :] * rb                           # [1, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        xt = tl.load(x + xrow[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        wt = unpack_at(wrows, k[:, None], km[:, None] & nm[None, :], tab, FMT, QK, TS)   # [BK, BN]
+        acc = tl.dot(xt.to(DOT), wt.to(DOT), acc, input_precision=PREC)
+    tl.store(y + yrow[:, None] * N + n[None, :], acc.to(y.dtype.element_ty),
+             mask=rm[:, None] & nm[None, :])
+
+
+def _matvec_config(M: int) -> tuple[int, int, int]:
+    # (BM, BN, BK): BM * BN * BK float32 accumulators, kept at 4096 per program (32 per thread
+    # at 4 warps).
+    BM = triton.next_power_of_2(max(M, 1))
+    BK = 256 if BM == 1 else 128 if BM <= 2 else 64
+    BN = max(4096 // (BM * BK), 1)
+    return BM, BN, BK
+
+
+def _gemm_config(M: int, x_dtype: torch.dtype) -> dict:
+    BM = 64 if M >= 64 else max(16, triton.next_power_of_2(M))
+    return dict(BM=BM, BN=64, BK=64 if x_dtype != torch.float32 else 32, GROUP_M=8)
+
+
+def _dot_dtype(dtype: torch.dtype):
+    # The Triton CPU interpreter mis-computes tl.dot on bfloat16 operands: under it the tiles
+    # are fed as float32 (the GPU path keeps bf16/f16 tensor-core dots).
+    if type(_gemm_kernel).__name__ == "InterpretedFunction":
+        return tl.float32
+    return _DOT_DTYPES[dtype]
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # float32 activations: IEEE products (TF32 would put ~1e-3 relative error on every output).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Triton ``hanzo::mul_mat``: ``y = x @ W^T`` with W packed.
+
+    Args:
+        x: ``[..., K]`` float32/bfloat16/float16.
+        w: ``uint8 [N, row_bytes(K)]`` packed in ``qtype``.
+    Returns:
+        ``[..., N]`` in ``x.dtype`` (float32 accumulation). M = x.numel() / K rows up to
+        :data:`MATVEC_MAX_M` take the mat-vec kernel, more the tiled GEMM.
+    Raises:
+        ValueError: dtype, shape or format problems, named.
+    """
+    fid, qk, ts = format_info(qtype)
+    _check_float(x, "mul_mat")
+    _check_packed(w, "mul_mat")
+    if w.dim() != 2:
+        raise ValueError(f"mul_mat: packed weight must be 2-D [N, row_bytes], got shape {tuple(w.shape)}")
+    N, rb = w.shape
+    K = _row_length(rb, qk, ts, qtype, "mul_mat")
+    if x.shape[-1] != K:
+        raise ValueError(f"mul_mat: x has {x.shape[-1]} columns but the {qtype} weight rows hold {K} values")
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+    y = torch.empty((*lead, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    x2 = x.reshape(M, K).contiguous()
+    w = w.contiguous()
+    tab = format_table(qtype, w.device)
+    if M <= MATVEC_MAX_M:
+        BM, BN, BK = _matvec_config(M)
+        _matvec_kernel[(triton.cdiv(N, BN), 1)](x2, w, y, tab, x2, M, N, K, rb, 1, 1,
+                                                FMT=fid, QK=qk, TS=ts, INDEXED=False,
+                                                BM=BM, BN=BN, BK=BK, num_warps=4)
+    else:
+        cfg = _gemm_config(M, x.dtype)
+        grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+        _gemm_kernel[grid](x2, w, y, tab, x2, x2, M, N, K, rb, 1, 1,
+                           FMT=fid, QK=qk, TS=ts, DOT=_dot_dtype(x.dtype), PREC=_prec(x.dtype),
+                           GROUPED=False, **cfg, num_warps=4, num_stages=3)
+    return y
+
+
+def _group_by_expert(flat_ids: torch.Tensor, n_experts: int, BM: int):
+    """Device-side grouping of routed slots by expert (no host synchronization).
+
+    Returns ``(rows_idx, tile_expert, n_tiles)``: ``rows_idx int64 [n_tiles * BM]`` lists the
+    slots of each expert padded to a multiple of BM (-1 = padding); ``tile_expert int64
+    [n_tiles]`` the expert of each BM-tile (``n_experts`` for tiles past the end). ``n_tiles``
+    is the static upper bound ``cdiv(S, BM) + n_experts``. Slots with an id outside
+    ``[0, n_experts)`` are left out (their output rows stay NaN).
+    """
+    S = flat_ids.numel()
+    dev = flat_ids.device
+    valid = (flat_ids >= 0) & (flat_ids < n_experts)
+    e = torch.where(valid, flat_ids, torch.full_like(flat_ids, n_experts))
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, e, torch.ones_like(e))
+    counts = counts[:n_experts]
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(e, stable=True)
+    e_sorted = e[order]
+    rank = torch.arange(S, device=dev) - start.index_select(0, e_sorted.clamp(max=n_experts - 1))
+    n_tiles = triton.cdiv(S, BM) + n_experts
+    rows_idx = torch.full((n_tiles * BM + 1,), -1, dtype=torch.int64, device=dev)
+    dest = torch.where(e_sorted < n_experts,
+                       pad_start.index_select(0, e_sorted.clamp(max=n_experts - 1)) + rank,
+                       torch.full_like(rank, n_tiles * BM))  # invalid slots -> the spare last entry
+    rows_idx.scatter_(0, dest, order)
+    tile_start = torch.arange(n_tiles, device=dev, dtype=torch.int64) * BM
+    tile_expert = torch.searchsorted(pad_end, tile_start, right=True)
+    return rows_idx[: n_tiles * BM], tile_expert, n_tiles
+
+
+def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Triton ``hanzo::mul_mat_id``: ``y[t, j] = x[t(, j)] @ W[ids[t, j]]^T``.
+
+    Args:
+        x: ``[T, K]`` (shared by the k routed slots) or ``[T, k, K]``; float32/bfloat16/float16.
+        w: ``uint8 [E, N, row_bytes(K)]`` stacked experts packed in ``qtype``.
+        ids: integer ``[T, k]`` expert ids, read on the device (never synchronized).
+    Returns:
+        ``[T, k, N]`` in ``x.dtype``. A slot whose id is outside ``[0, E)`` gets a NaN row.
+        Decode (T <= MATVEC_MAX_M): one mat-vec launch over all T*k slots; prefill: slots
+        grouped by expert on the device and one grouped GEMM launch.
+    """
+    fid, qk, ts = format_info(qtype)
+    _check_float(x, "mul_mat_id")
+    _check_packed(w, "mul_mat_id")
+    if w.dim() != 3:
+        raise ValueError(f"mul_mat_id: packed weight must be 3-D [E, N, row_bytes], got shape {tuple(w.shape)}")
+    if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"mul_mat_id: ids must be an integer [T, k] tensor, got {ids.dtype} {tuple(ids.shape)}")
+    E, N, rb = w.shape
+    K = _row_length(rb, qk, ts, qtype, "mul_mat_id")
+    T, kk = ids.shape
+    if x.dim() == 2 and x.shape == (T, K):
+        x_div = kk
+    elif x.dim() == 3 and x.shape == (T, kk, K):
+        x_div = 1
+    else:
+        raise ValueError(f"mul_mat_id: x must be [T, K] or [T, k, K] = [{T}, ({kk},) {K}], got {tuple(x.shape)}")
+    S = T * kk
+    xc = x.contiguous()
+    w = w.contiguous()
+    flat = ids.reshape(-1).contiguous()
+    tab = format_table(qtype, w.device)
+    if S == 0 or N == 0:
+        return torch.empty((T, kk, N), dtype=x.dtype, device=x.device)
+    if T <= MATVEC_MAX_M:
+        y = torch.empty((T, kk, N), dtype=x.dtype, device=x.device)
+        BM, BN, BK = _matvec_config(1)
+        _matvec_kernel[(triton.cdiv(N, BN), S)](xc, w, y, tab, flat, 1, N, K, rb, x_div, E,
+                                                FMT=fid, QK=qk, TS=ts, INDEXED=True,
+                                                BM=BM, BN=BN, BK=BK, num_warps=4)
+        return y
+    y = torch.full((T, kk, N), float("nan"), dtype=x.dtype, device=x.device)
+    cfg = _gemm_config(max(S // max(E, 1), 1), x.dtype)
+    rows_idx, tile_expert, n_tiles = _group_by_expert(flat.to(torch.int64), E, cfg["BM"])
+    grid = (n_tiles * triton.cdiv(N, cfg["BN"]),)
+    _gemm_kernel[grid](xc, w, y, tab, rows_idx, tile_expert, n_tiles * cfg["BM"], N, K, rb, x_div, E,
+                       FMT=fid, QK=qk, TS=ts, DOT=_dot_dtype(x.dtype), PREC=_prec(x.dtype),
+                       GROUPED=True, **cfg, num_warps=4, num_stages=3)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize_q8_1
+
+@triton.jit
+def _round_half_away(v):
+    # C roundf (half away from zero) without the double rounding of floor(|v| + 0.5).
+    a = tl.abs(v)
+    fl = tl.floor(a)
+    r = fl + tl.floor(2.0 * (a - fl))
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _f16_bytes(out, v, m):
+    h = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    tl.store(out, (h & 0xFF).to(tl.uint8), mask=m)
+    tl.store(out + 1, ((h >> 8) & 0xFF).to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _quantize_q8_1_kernel(x, out, n_blocks, BB: tl.constexpr):
+    # ggml block_q8_1: d = amax/127 (fp16), s = d * sum(q) (fp16), q = roundf(x / d) (int8 x 32)
+    r = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * BB + tl.arange(0, BB)
+    bm = b < n_blocks
+    j = tl.arange(0, 32)
+    v = tl.load(x + r * n_blocks * 32 + b[:, None] * 32 + j[None, :], mask=bm[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)
+    d = amax / 127.0
+    inv = tl.where(d == 0.0, 0.0, 1.0 / d)
+    q = _round_half_away(v * inv[:, None])
+    s = tl.sum(q, axis=1)
+    blk = out + r * n_blocks * 36 + b * 36
+    _f16_bytes(blk, d, bm)
+    _f16_bytes(blk + 2, s * d, bm)
+    tl.store(blk[:, None] + 4 + j[None, :], q.to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True), mask=bm[:, None])
+
+
+def quantize_q8_1(x: torch.Tensor) -> torch.Tensor:
+    """Triton ``hanzo::quantize_q8_1``: ``x [..., K]`` (K % 32 == 0) -> ``uint8 [..., K/32*36]``.
+
+    ggml ``block_q8_1`` layout (fp16 d, fp16 d*sum(q), 32 int8 q), same arithmetic as ggml's
+    reference quantizer (d = amax/127, q = roundf(x/d)). Meant to run once per op on the
+    activation that several int8-dot mat-vecs share (DESIGN: never once per weight block).
+    """
+    _check_float(x, "quantize_q8_1")
+    if x.dim() == 0 or x.shape[-1] % 32:
+        raise ValueError(f"quantize_q8_1: last dim must be a multiple of 32, got shape {tuple(x.shape)}")
+    K = x.shape[-1]
+    R = math.prod(x.shape[:-1])
+    nb = K // 32
+    out = torch.empty((*x.shape[:-1], nb * 36), dtype=torch.uint8, device=x.device)
+    if R == 0 or nb == 0:
+        return out
+    BB = 8
+    _quantize_q8_1_kernel[(R, triton.cdiv(nb, BB))](x.reshape(R, K).contiguous(), out, nb, BB=BB,
+                                                     enable_fp_fusion=False)
+    return out
