@@ -29,6 +29,7 @@ __all__ = [
     "make_format",
     "block_layout",
     "check_blocks",
+    "view_bytes_as",
     "fp16_field",
     "fp16_bytes",
     "le_bytes",
@@ -86,6 +87,18 @@ def check_blocks(blocks: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: blocks must have shape [n, {type_size}], got {list(blocks.shape)}")
 
 
+def view_bytes_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret the bytes of ``uint8 [n, m]`` as ``dtype [n, m // itemsize]``.
+
+    Copies first when ``x`` is not contiguous or its storage offset is not a multiple of the
+    item size (``Tensor.view(dtype)`` refuses those), so any slice of packed data works.
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    if not x.is_contiguous() or x.storage_offset() % size:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.view(dtype)
+
+
 def fp16_field(blocks: torch.Tensor, field: slice) -> torch.Tensor:
     """Read fp16 values stored little-endian at byte slice ``field`` of each block.
 
@@ -97,7 +110,7 @@ def fp16_field(blocks: torch.Tensor, field: slice) -> torch.Tensor:
         ``float32 [n, len(field) // 2]``. Every non-NaN value (subnormals and infinities
         included) is exact; NaN stays NaN (its payload is not preserved).
     """
-    return blocks[:, field].contiguous().view(torch.float16).float()
+    return view_bytes_as(blocks[:, field], torch.float16).float()
 
 
 def le_bytes(v: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -130,7 +143,8 @@ def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
 def _f32_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     check_blocks(blocks, "F32")
     # a fresh tensor: callers may treat the result as theirs (and custom ops must not alias)
-    return blocks.contiguous().view(torch.float32).clone()
+    out = view_bytes_as(blocks, torch.float32)
+    return out.clone() if out.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr() else out
 
 
 def _f32_quantize(values: torch.Tensor) -> torch.Tensor:

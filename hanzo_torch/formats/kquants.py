@@ -157,7 +157,7 @@ def _q6_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     check_blocks(blocks, "Q6_K")
     n = blocks.shape[0]
     d = fp16_field(blocks, _Q6_K["d"])
-    sc = blocks[:, _Q6_K["scales"]].contiguous().view(torch.int8).to(torch.float32)
+    sc = blocks[:, _Q6_K["scales"]].view(torch.int8).to(torch.float32)
     dl = (d * sc).unsqueeze(-1)  # [n, 16, 1]
     ql = unpack_bits(blocks[:, _Q6_K["ql"]], 4, 64)
     qh = unpack_bits(blocks[:, _Q6_K["qh"]], 2, 32)

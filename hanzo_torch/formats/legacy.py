@@ -229,7 +229,7 @@ _Q8_0 = block_layout("Q8_0", d=2, qs=QK)
 def _q8_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     check_blocks(blocks, "Q8_0")
     d = fp16_field(blocks, _Q8_0["d"])
-    q = blocks[:, _Q8_0["qs"]].contiguous().view(torch.int8).to(torch.float32)
+    q = blocks[:, _Q8_0["qs"]].view(torch.int8).to(torch.float32)
     return q * d
 
 
