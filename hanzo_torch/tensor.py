@@ -174,6 +174,11 @@ class GGUFTensor(torch.Tensor):
         return out
 
     # ------------------------------------------------------------------ torch.compile
+    def _stable_hash_for_caching(self) -> str:
+        # AOT autograd cache key: everything but the bytes, which are a graph input
+        return (f"GGUFTensor:{self.qtype}:{self.logical_shape}:{self.dtype}:{self.transposed}:"
+                f"{tuple(self.packed.shape)}:{self.packed.device.type}")
+
     def __tensor_flatten__(self):
         return list(self.tensor_data_names), (self.qtype, self.logical_shape, self.dtype, self.transposed)
 
