@@ -423,8 +423,10 @@ def _parse_header(path: str, buf, size: int) -> _Header:
             block, type_size = GGML_QUANT_SIZES[qt]
         except (ValueError, KeyError):
             raise p.fail(f"{what} has unknown ggml type id {type_id}") from None
-        if any(d >= 2**63 for d in ne):
-            raise p.fail(f"{what} has a dim >= 2**63: {list(ne)}")
+        # torch (and ggml) index with int64: the element count, counting empty dims as 1 (as
+        # strides do), must fit.
+        if math.prod(max(d, 1) for d in ne) >= 2**63:
+            raise p.fail(f"{what}: dims {list(ne)} overflow a 64-bit element count")
         if ne[0] % block:
             raise p.fail(
                 f"{what}: row length {ne[0]} is not a multiple of the {qt.name} block size {block}"

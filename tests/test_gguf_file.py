@@ -526,3 +526,19 @@ def test_error_unsupported_format_for_tensors(tmp_path):
 def test_public_api_exports():
     assert hanzo_torch.GGUFFile is GGUFFile and hanzo_torch.save_gguf is save_gguf
     assert issubclass(hanzo_torch.GGUFError, ValueError)
+
+
+def test_error_dims_overflow(sample_file, tmp_path):
+    raw = sample_file.read_bytes()
+    at = _tensor_info_offset(raw, "blk.0.attn_q.weight") + 4 + 8  # ne[1]
+    _open_fails(_patched(tmp_path, raw, at, struct.pack("<Q", 2**62)), "'blk.0.attn_q.weight': dims .* overflow")
+
+
+def test_empty_dim_tensor_loads(tmp_path):
+    p = tmp_path / "empty_dim.gguf"
+    save_gguf(p, {"e": torch.zeros(0, 8), "w": torch.ones(3)}, {})
+    with GGUFFile(p) as f:
+        assert f.tensor_info["e"].shape == (0, 8) and f.tensor_info["e"].nbytes == 0
+        assert tuple(f.packed("e").shape) == (0, 32)
+        assert tuple(f.tensors["e"].shape) == (0, 8)
+        assert torch.equal(f.tensors["w"].dequantize(), torch.ones(3))
