@@ -66,7 +66,8 @@ def _dequantize_kernel(src, dst, ids, tab, n_src_rows, K, rb,
     if GATHER:
         src_row = tl.load(ids + r).to(tl.int64)
         ok = (src_row >= 0) & (src_row < n_src_rows)
-        v = unpack_at(src + src_row * rb, k, m & ok, tab, FMT, QK, TS)
+        src_row = tl.where(ok, src_row, 0)
+        v = unpack_at(src + src_row * rb, k, k < tl.where(ok, K, 0), tab, FMT, QK, TS)
         v = tl.where(ok, v, float("nan"))  # an out-of-range id gives a NaN row, never a wild read
     else:
         v = unpack_at(src + r * rb, k, m, tab, FMT, QK, TS)
@@ -151,8 +152,8 @@ def _matvec_kernel(x, w, y, tab, ids, M, N, K, rb, x_div, n_experts,
         s = tl.program_id(1).to(tl.int64)
         e = tl.load(ids + s).to(tl.int64)
         ok = (e >= 0) & (e < n_experts)
-        nm = nm & ok
-        w = w + e * N * rb
+        nm = n < tl.where(ok, N, 0)  # a bad id reads nothing
+        w = w + tl.where(ok, e, 0) * N * rb
         x = x + (s // x_div) * K
         y = y + s * N
     rows = w + n.to(tl.int64)[:, None] * rb                      # [BN, 1]

@@ -1,0 +1,71 @@
+"""Test-data helpers for the Triton kernels (used by tests/test_triton_*.py and
+benchmarks/triton_gpu_check.py); numpy/torch only, importable without triton.
+
+:func:`random_packed` makes packed weights of any supported format from random bytes whose
+scale fields are overwritten with small finite values, so every quant code, sub-block scale,
+grid index and sign occurs while the dequantized values stay in a numerically sane range.
+Offsets are those of ggml-common.h's block structs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+# name -> byte offsets of the block's fp16 scale fields (d, dmin/m)
+_F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
+    "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
+}
+
+
+def random_packed(qtype: str, shape: tuple, seed: int = 0, scale: float = 0.02) -> torch.Tensor:
+    """``uint8 [*shape[:-1], row_bytes(shape[-1])]`` of format ``qtype`` with sane scales.
+
+    Dense formats (F32/F16/BF16) hold ``scale``-sized normal values. Raises KeyError for a
+    format this helper does not know.
+    """
+    rng = np.random.default_rng(seed)
+    qt = GGMLQuantizationType[qtype]
+    qk, ts = GGML_QUANT_SIZES[qt]
+    lead, K = tuple(shape[:-1]), int(shape[-1])
+    n_rows = int(np.prod(lead)) if lead else 1
+    if qtype in ("F32", "F16", "BF16"):
+        v = torch.from_numpy(rng.standard_normal((n_rows, K)).astype(np.float32) * scale)
+        v = v.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[qtype])
+        return v.contiguous().view(torch.uint8).reshape(*lead, K * ts)
+    nb = n_rows * K // qk
+    blocks = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
+    d = rng.uniform(0.5, 1.0, size=nb).astype(np.float32) * scale
+    if qtype in _F16_FIELDS:
+        for off in _F16_FIELDS[qtype]:
+            blocks[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    elif qtype == "IQ1_M":
+        # the fp16 d is the top nibbles of the 4 u16 scale words at bytes 48..55
+        bits = d.astype(np.float16).view(np.uint16)
+        for i in range(4):
+            nib = ((bits >> (4 * i)) & 0xF).astype(np.uint8)
+            blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (nib << 4)
+    elif qtype == "MXFP4":
+        blocks[:, 0] = rng.integers(118, 124, size=nb, dtype=np.uint8)  # E8M0 exponents ~2^-9..2^-4
+    elif qtype == "NVFP4":
+        blocks[:, :4] = rng.integers(0x08, 0x30, size=(nb, 4), dtype=np.uint8)  # small UE4M3 scales
+    else:
+        raise KeyError(f"random_packed: no scale layout for {qtype}")
+    rb = K // qk * ts
+    return torch.from_numpy(blocks.reshape(*lead, rb).copy()) if lead else torch.from_numpy(blocks.reshape(rb).copy())
+
+
+def gguf_dequantize(packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 dequantization by ``gguf.quants.dequantize`` (the oracle), same leading shape."""
+    from gguf import quants
+
+    arr = packed.detach().cpu().numpy()
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(arr, GGMLQuantizationType[qtype]), dtype=np.float32))
+
+
+def matmul_bound(x: torch.Tensor, w_f32: torch.Tensor) -> torch.Tensor:
+    """``|x| @ |W|^T`` in float64: the scale of the rounding error of ``x @ W^T`` (per output)."""
+    return x.double().abs().reshape(-1, x.shape[-1]) @ w_f32.double().abs().reshape(-1, w_f32.shape[-1]).t()
