@@ -182,3 +182,37 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, metadata: dict) -> None:
     for key, value in metadata.items():
         vtype, sub = GGUF_VALUE_TYPES[key]
         writer.add_key_value(key, value, vtype, sub_type=sub)
+
+
+def toy_tokenizer_metadata(chat_template: str | None = None) -> dict:
+    """A tiny byte-level vocabulary for fast tests: the 256 byte tokens (ids 0..255 in byte
+    order), a few merges, ``<|im_start|>`` (256), ``<|im_end|>`` (257, eos), ``<|endoftext|>``
+    (258, bos/padding) as CONTROL tokens and ``<think>`` (259) as USER_DEFINED, then the merged
+    tokens "he" (260), "ll" (261), "hell" (262). Same value types as :func:`qwen3_tokenizer_metadata`.
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            alphabet[b] = chr(b)
+        else:
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    tokens = [alphabet[b] for b in range(256)] + ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>",
+                                                   "he", "ll", "hell"]
+    N, C, U = int(gguf.TokenType.NORMAL), int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
+    template = chat_template or (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [N] * 256 + [C, C, C, U, N, N, N],
+        "tokenizer.ggml.merges": ["h e", "l l", "he ll"],
+        "tokenizer.ggml.bos_token_id": 258,
+        "tokenizer.ggml.eos_token_id": 257,
+        "tokenizer.ggml.padding_token_id": 258,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": template,
+    }

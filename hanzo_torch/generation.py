@@ -1,0 +1,454 @@
+"""Autoregressive text generation: prefill, token-by-token decode, sampling, stop conditions.
+
+Works with any causal LM module following the hanzo-torch model interface:
+``model(input_ids int64 [B, T], positions=int64 [B, T]) -> float logits [B, T, V]`` that appends
+the tokens' keys/values to its KV cache, ``model.reset()`` to start a new sequence, and optionally
+``model.tokenizer`` (:class:`hanzo_torch.tokenizer.Tokenizer`), ``model.max_context`` (int) and a
+``last_only`` keyword on ``forward``.
+
+The prompt is prefilled in one forward; each new token is then fed alone with its position in a
+preallocated ``[1, 1]`` device tensor (written in place, so a captured decode graph sees it).
+Sampling runs on the CPU in float32 with its own ``torch.Generator``, so a seed gives the same
+tokens whatever the model's device, and the global RNG is untouched.
+
+Sampler chain (llama.cpp's default order, ``common/sampling.cpp``): repetition penalty over the
+last ``repeat_last_n`` tokens -> top-k -> top-p -> min-p -> temperature -> draw. The truncation
+filters see the temperature-1 distribution, so temperature only reshapes the survivors.
+``temperature == 0`` is greedy (argmax after the repetition penalty).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+__all__ = [
+    "GenerationStats",
+    "GenerationResult",
+    "TextStream",
+    "SamplingParams",
+    "generate",
+    "stream_generate",
+    "sample_next",
+    "apply_repetition_penalty",
+    "truncate_candidates",
+]
+
+# llama.cpp defaults (common/common.h, common_params_sampling)
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_K = 40
+DEFAULT_TOP_P = 0.95
+DEFAULT_MIN_P = 0.05
+DEFAULT_REPEAT_LAST_N = 64
+
+
+@dataclass
+class GenerationStats:
+    """Token counts and timings of one :func:`generate` call (seconds, wall clock).
+
+    ``prefill_s`` covers the prompt forward and the first sample; ``decode_s`` the
+    ``decode_steps`` single-token forwards (and their samples) after it. ``generated_tokens``
+    excludes a final end-of-generation token, so it is ``decode_steps`` when generation ended on
+    one and ``decode_steps + 1`` otherwise.
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stop_reason: Optional[str] = None  # "eos", "stop", "length", "context"
+    seed: Optional[int] = None
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+    def summary(self) -> str:
+        return (f"prefill: {self.prompt_tokens} tokens in {self.prefill_s:.2f} s "
+                f"({self.prefill_tokens_per_s:.1f} tok/s) | decode: {self.decode_steps} tokens in "
+                f"{self.decode_s:.2f} s ({self.decode_tokens_per_s:.1f} tok/s) | stop: {self.stop_reason}")
+
+
+@dataclass
+class GenerationResult:
+    """Output of :func:`generate`: the new text (stop string and special tokens excluded), the
+    generated token ids (an end-of-generation token is not included), and the stats."""
+
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampler settings; see the module docstring for the order they apply in.
+
+    temperature: >= 0, 0 = greedy. top_k: >= 0, 0 = off. top_p: in (0, 1], 1 = off.
+    min_p: in [0, 1), 0 = off (keep tokens with p >= min_p * p_max).
+    repetition_penalty: > 0, 1 = off (CTRL rule: positive logits divided, negative multiplied).
+    repeat_last_n: how many recent tokens (prompt included) the penalty looks at.
+    """
+
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = DEFAULT_TOP_K
+    top_p: float = DEFAULT_TOP_P
+    min_p: float = DEFAULT_MIN_P
+    repetition_penalty: float = 1.0
+    repeat_last_n: int = DEFAULT_REPEAT_LAST_N
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.repeat_last_n < 0:
+            raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+# ---------------------------------------------------------------------- samplers (pure functions)
+def apply_repetition_penalty(logits: torch.Tensor, recent_ids: Sequence[int], penalty: float) -> torch.Tensor:
+    """CTRL repetition penalty (Keskar et al. 2019, as in llama.cpp and transformers).
+
+    logits: float ``[V]``. Each distinct id in ``recent_ids`` gets its logit divided by
+    ``penalty`` if positive, multiplied by it otherwise. Returns a new tensor.
+    """
+    if penalty == 1.0 or len(recent_ids) == 0:
+        return logits
+    out = logits.clone()
+    ids = torch.tensor(sorted(set(int(i) for i in recent_ids)), dtype=torch.long)
+    vals = out[ids]
+    out[ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return out
+
+
+def truncate_candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
+                        min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply top-k, then top-p, then min-p to float ``[V]`` logits (temperature 1).
+
+    Returns ``(values, ids)``: the surviving logits sorted in descending order and their token
+    ids (int64), at least one. top-k keeps the k largest (ties broken by ``torch.topk``); top-p
+    keeps the shortest prefix of the sorted distribution (renormalized over the top-k survivors)
+    whose probability mass reaches ``top_p``; min-p keeps tokens whose probability is at least
+    ``min_p`` times the largest.
+    """
+    logits = logits.float()
+    if top_k and top_k < logits.numel():
+        values, ids = torch.topk(logits, int(top_k))  # sorted descending
+    else:
+        if min_p > 0:  # cheap pre-cut before the full sort: min-p drops these anyway
+            keep = (logits >= logits.max() + math.log(min_p)).nonzero().squeeze(1)
+            logits_kept = logits[keep]
+            values, order = torch.sort(logits_kept, descending=True)
+            ids = keep[order]
+            if top_p < 1.0:  # top-p needs the full distribution's mass: renormalize over all V
+                probs = torch.softmax(logits, dim=0)[ids]
+                return _top_p_min_p(values, ids, probs, top_p, min_p)
+        else:
+            values, ids = torch.sort(logits, descending=True)
+    probs = torch.softmax(values, dim=0)
+    return _top_p_min_p(values, ids, probs, top_p, min_p)
+
+
+def _top_p_min_p(values: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, top_p: float,
+                 min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n = values.numel()
+    if top_p < 1.0:
+        before = torch.cumsum(probs, dim=0) - probs  # mass strictly before each candidate
+        n = max(1, int((before < top_p).sum()))
+    if min_p > 0:
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); sorted, so a prefix
+        n = min(n, max(1, int((values[:n] >= values[0] + math.log(min_p)).sum())))
+    return values[:n], ids[:n]
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None,
+                recent_ids: Sequence[int] = ()) -> int:
+    """Pick the next token id from float ``[V]`` logits (any device; sampled on the CPU).
+
+    Raises:
+        ValueError: logits are all -inf/NaN (the model produced no usable distribution).
+    """
+    logits = logits.detach().float().cpu()
+    if params.repetition_penalty != 1.0 and params.repeat_last_n:
+        logits = apply_repetition_penalty(logits, list(recent_ids)[-params.repeat_last_n:], params.repetition_penalty)
+    if params.greedy:
+        tid = int(torch.argmax(logits))
+        if not math.isfinite(float(logits[tid])):
+            raise ValueError("the model's logits contain no finite value (NaN/inf): cannot pick a token")
+        return tid
+    values, ids = truncate_candidates(logits, params.top_k, params.top_p, params.min_p)
+    if not math.isfinite(float(values[0])):
+        raise ValueError("the model's logits contain no finite value (NaN/inf): cannot sample a token")
+    probs = torch.softmax(values / params.temperature, dim=0)
+    return int(ids[torch.multinomial(probs, 1, generator=generator)])
+
+
+# ---------------------------------------------------------------------- generation loop
+def _model_device(model: torch.nn.Module) -> torch.device:
+    dev = getattr(model, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _accepts_last_only(model: torch.nn.Module) -> bool:
+    try:
+        return "last_only" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _stop_holdback(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class TextStream:
+    """Iterator over generated text pieces (``str``), from ``generate(..., stream=True)``.
+
+    After it is exhausted, :attr:`result` holds the :class:`GenerationResult` and :attr:`stats`
+    its stats (partial stats are available during iteration).
+    """
+
+    def __init__(self, gen: Iterator[str], stats: GenerationStats, result_box: list):
+        self._gen = gen
+        self._box = result_box
+        self.stats = stats
+        self.result: Optional[GenerationResult] = None
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._gen)
+        except StopIteration:
+            if self._box:
+                self.result = self._box[0]
+            raise
+
+    def close(self) -> None:
+        self._gen.close()
+
+
+Prompt = Union[str, Sequence[int], torch.Tensor, Sequence[Mapping[str, Any]]]
+
+
+def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int = 256, *,
+             temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K, top_p: float = DEFAULT_TOP_P,
+             min_p: float = DEFAULT_MIN_P, repetition_penalty: float = 1.0,
+             repeat_last_n: int = DEFAULT_REPEAT_LAST_N, seed: Optional[int] = None,
+             stop: Union[str, Sequence[str], None] = None, stream: bool = False, ignore_eos: bool = False,
+             tokenizer: Any = None, skip_special_tokens: bool = True,
+             add_generation_prompt: bool = True, **template_kwargs: Any) -> Union[GenerationResult, TextStream]:
+    """Generate a continuation of a prompt with ``model``.
+
+    Args:
+        model: a causal LM following the hanzo-torch model interface (module docstring).
+        prompt_or_ids: text (encoded with the tokenizer, BOS added when the GGUF asks), token ids
+            (list of ints or a 1-D / ``[1, T]`` integer tensor), or chat messages
+            (``[{"role": ..., "content": ...}]``, rendered with the chat template;
+            ``add_generation_prompt`` and extra keyword arguments such as
+            ``enable_thinking=False`` go to the template).
+        max_new_tokens: limit on generated tokens (>= 0); also clipped to the model's
+            ``max_context``.
+        temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n: see
+            :class:`SamplingParams` (defaults are llama.cpp's).
+        seed: seed of this call's own ``torch.Generator``; None draws one (recorded in
+            ``stats.seed``). The same seed, prompt and model give the same tokens.
+        stop: string(s) that end generation; the text is cut before the first one found, which
+            is not included.
+        stream: return a :class:`TextStream` yielding text pieces as they decode (never a partial
+            UTF-8 character, never text that could be the start of a stop string).
+        ignore_eos: keep going past end-of-generation tokens (for benchmarks).
+        tokenizer: overrides ``model.tokenizer`` (needed for text prompts, text output and stop
+            strings).
+        skip_special_tokens: leave control tokens out of the text.
+
+    Returns:
+        :class:`GenerationResult`, or a :class:`TextStream` when ``stream``.
+
+    Stops at the first of: an end-of-generation token (the tokenizer's ``eos_token_ids``, such
+    as ``<|im_end|>`` and ``<|endoftext|>``) -> ``stop_reason "eos"``; a stop string -> "stop";
+    ``max_new_tokens`` -> "length"; the model's ``max_context`` -> "context".
+
+    Raises:
+        ValueError: bad sampling parameters, an empty prompt, a prompt that does not fit in
+            ``max_context``, non-finite logits; TypeError: an unsupported prompt type.
+    """
+    params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n)
+    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
+
+    if tokenizer is None:
+        try:
+            tokenizer = model.tokenizer
+        except (AttributeError, ValueError):
+            tokenizer = None
+    if stops and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer (model.tokenizer or tokenizer=)")
+    prompt_ids = _prompt_ids(prompt_or_ids, tokenizer, add_generation_prompt, template_kwargs)
+    if not prompt_ids:
+        raise ValueError("empty prompt: give at least one token")
+    if tokenizer is not None:
+        bad = [i for i in prompt_ids if not 0 <= i < tokenizer.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})")
+    max_context = getattr(model, "max_context", None)
+    if max_context is not None and len(prompt_ids) > max_context:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's max_context is {max_context}; "
+                         "shorten it or load the model with a larger max_context")
+
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") & (2**63 - 1)
+    stats = GenerationStats(prompt_tokens=len(prompt_ids), seed=seed)
+    result_box: list[GenerationResult] = []
+    gen = _run(model, prompt_ids, int(max_new_tokens), params, seed, stops, tokenizer, ignore_eos,
+               skip_special_tokens, max_context, stats, result_box)
+    if stream:
+        if tokenizer is None:
+            raise ValueError("stream=True needs a tokenizer (model.tokenizer or tokenizer=)")
+        return TextStream(gen, stats, result_box)
+    for _ in gen:
+        pass
+    return result_box[0]
+
+
+def stream_generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int = 256,
+                    **kwargs: Any) -> TextStream:
+    """``generate(..., stream=True)``: an iterator of text pieces with ``.stats``/``.result``."""
+    return generate(model, prompt_or_ids, max_new_tokens, stream=True, **kwargs)
+
+
+def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer (model.tokenizer or tokenizer=)")
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+            raise TypeError(f"a token id tensor must be integer [T] or [1, T], got {prompt.dtype} {tuple(prompt.shape)}")
+        return [int(i) for i in prompt.tolist()]
+    if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
+        if tokenizer is None:
+            raise ValueError("chat messages need a tokenizer with a chat template")
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return tokenizer.encode(text, add_special_tokens=False)
+    if isinstance(prompt, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        return [int(i) for i in prompt]
+    raise TypeError(f"prompt must be a str, token ids or chat messages, got {type(prompt).__name__}")
+
+
+def _run(model, prompt_ids, max_new_tokens, params, seed, stops, tokenizer, ignore_eos, skip_special,
+         max_context, stats: GenerationStats, result_box: list) -> Iterator[str]:
+    device = _model_device(model)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    eos_ids = frozenset() if ignore_eos or tokenizer is None else frozenset(tokenizer.eos_token_ids)
+    budget = max_new_tokens
+    context_bound = False
+    if max_context is not None and len(prompt_ids) + max_new_tokens - 1 > max_context:
+        budget = max_context - len(prompt_ids) + 1  # the last sampled token is never fed back
+        context_bound = True
+    kwargs = {"last_only": True} if _accepts_last_only(model) else {}
+    decoder = tokenizer.incremental_decoder(skip_special_tokens=skip_special) if tokenizer is not None else None
+    max_stop = max((len(s) for s in stops), default=0)
+
+    history = list(prompt_ids)  # for the repetition penalty
+    out_ids: list[int] = []
+    text = ""  # decoded so far (stop string not yet cut)
+    emitted = 0  # chars of text already yielded
+    stop_reason = None
+
+    if budget == 0:
+        stats.stop_reason = "context" if context_bound else "length"
+        result_box.append(GenerationResult("", [], stats))
+        return
+
+    with torch.inference_mode():
+        if hasattr(model, "reset"):
+            model.reset()
+        t0 = time.perf_counter()
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        pos = torch.arange(len(prompt_ids), dtype=torch.long, device=device).unsqueeze(0)
+        logits = model(ids, positions=pos, **kwargs)[0, -1]
+        token = sample_next(logits, params, generator, history)
+        stats.prefill_s = time.perf_counter() - t0
+
+        ids_buf = torch.zeros((1, 1), dtype=torch.long, device=device)
+        pos_buf = torch.zeros((1, 1), dtype=torch.long, device=device)
+        while True:
+            if token in eos_ids:
+                stop_reason = "eos"
+                break
+            out_ids.append(token)
+            history.append(token)
+            stats.generated_tokens = len(out_ids)
+            if decoder is not None:
+                text += decoder.push(token)
+                if stops:
+                    lo = max(0, emitted - max_stop + 1)
+                    cut = min((p for p in (text.find(s, lo) for s in stops) if p >= 0), default=-1)
+                    if cut >= 0:
+                        text = text[:cut]
+                        stop_reason = "stop"
+                        break
+                    hold = _stop_holdback(text, stops)
+                else:
+                    hold = 0
+                if len(text) - hold > emitted:
+                    piece = text[emitted:len(text) - hold]
+                    emitted = len(text) - hold
+                    yield piece  # the consumer's time is not counted in the stats
+            if len(out_ids) >= budget:
+                stop_reason = "context" if context_bound else "length"
+                break
+            t1 = time.perf_counter()
+            ids_buf.fill_(token)
+            pos_buf.fill_(len(prompt_ids) + len(out_ids) - 1)
+            logits = model(ids_buf, positions=pos_buf, **kwargs)[0, -1]
+            token = sample_next(logits, params, generator, history)  # waits for the device
+            stats.decode_s += time.perf_counter() - t1
+            stats.decode_steps += 1
+    if decoder is not None and stop_reason != "stop":
+        text += decoder.flush()
+    if len(text) > emitted:
+        yield text[emitted:]
+    stats.stop_reason = stop_reason
+    result_box.append(GenerationResult(text, out_ids, stats))
