@@ -1,3 +1,93 @@
-"""Models. Placeholder."""
-def load(*a, **k):
-    raise NotImplementedError
+"""Models over packed GGUF weights: :func:`load` and the Qwen2/Qwen3/Qwen3-MoE module."""
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+
+from .qwen import ARCHITECTURES, DEFAULT_MAX_CONTEXT, Block, ModelArgs, Transformer
+
+__all__ = ["load", "ModelArgs", "Transformer", "Block", "ARCHITECTURES"]
+
+
+def load(
+    path: Union[str, "os.PathLike[str]"],
+    device: Union[str, torch.device] = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    max_context: Optional[int] = None,
+) -> Transformer:
+    """Load a GGUF model as an ``nn.Module`` with its weights kept packed.
+
+    The class is chosen from ``general.architecture`` (``qwen2``, ``qwen3``, ``qwen3moe``) and
+    configured from the file's metadata only. The module is built on the meta device and the
+    file's tensors are assigned to it: projection and embedding weights stay
+    :class:`~hanzo_torch.GGUFTensor` views of the memory-mapped file (on CPU nothing is copied;
+    pages are read on first use), 1-D norm weights and biases are dequantized to ``dtype``. No
+    full-precision copy of a matrix is ever made.
+
+    Args:
+        path: the ``.gguf`` file.
+        device: where the weights, activations and KV cache live (packed weights are copied
+            there when it is not the CPU).
+        dtype: compute dtype of activations and KV cache: float32 (default on CPU), bfloat16
+            (default elsewhere) or float16. Logits are float32 regardless.
+        max_context: KV cache length in tokens (default ``min(context_length, 4096)``).
+
+    Returns:
+        :class:`~hanzo_torch.models.qwen.Transformer` in eval mode; ``model(input_ids[B, T])``
+        gives float32 logits ``[B, T, V]``; ``model.tokenizer``, ``model.generate(...)``,
+        ``model.reset()``.
+
+    Raises:
+        GGUFError: not a GGUF file, unsupported or missing architecture, missing metadata key,
+            a missing or unexpected tensor, or a tensor whose shape does not match the config.
+        ValueError: bad ``max_context`` or ``dtype``.
+    """
+    from ..gguf_file import GGUFError, GGUFFile
+
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    f = GGUFFile(path, dtype=dtype)
+    args = ModelArgs.from_gguf(f)
+    if max_context is None:
+        max_context = min(args.context_length, DEFAULT_MAX_CONTEXT)
+    if not isinstance(max_context, int) or max_context <= 0:
+        raise ValueError(f"max_context must be a positive int, got {max_context!r}")
+
+    with torch.device("meta"):
+        model = Transformer(args, max_context)
+    tensors = f.tensors
+    used = set()
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if name == "output.weight" and args.tied_embeddings:
+            continue
+        if name not in tensors:
+            raise GGUFError(f"{f.path}: missing tensor {name!r} for architecture {args.arch!r}")
+        t = tensors[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise GGUFError(
+                f"{f.path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(param.shape)} "
+                f"from the metadata"
+            )
+        if t.dim() == 1:  # norm weights and biases: small, dense
+            t = t.dequantize(dtype)
+        _assign(model, name, t if t.device == device else t.to(device))
+        used.add(name)
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise GGUFError(f"{f.path}: tensors not used by the {args.arch} model: {', '.join(unexpected[:8])}")
+    if args.tied_embeddings:
+        model.output.weight = model.token_embd.weight
+    model.gguf = f
+    return model.eval()
+
+
+def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, leaf, nn.Parameter(value, requires_grad=False))

@@ -1,0 +1,189 @@
+"""Write tiny random-weight GGUF files of the Qwen2 / Qwen3 / Qwen3-MoE architectures.
+
+The files carry the metadata keys and tensor names llama.cpp's converter writes
+(``gguf.MODEL_TENSORS`` / ``gguf.Keys``), the real Qwen3 vocabulary (from
+:mod:`tests.qwen_vocab`), and weights in F32 or in packed ggml formats, so that both
+hanzo-torch and transformers' GGUF loader (``from_pretrained(folder, gguf_file=...)``) can load
+them. Shapes follow what transformers assumes for each architecture
+(``transformers/integrations/ggml.py`` GGUF_CONFIG_MAPPING and the config classes' defaults):
+
+* ``qwen3``: transformers does not map ``attention.key_length``; ``Qwen3Config.head_dim``
+  defaults to 128, so the file must use head_dim 128.
+* ``qwen3moe``: ``attention.key_length`` maps to ``head_dim``, but
+  ``expert_feed_forward_length`` is not mapped and ``Qwen3MoeConfig.moe_intermediate_size``
+  defaults to 768, so experts must have ffn 768. ``norm_topk_prob`` is forced True (llama.cpp's
+  qwen3moe renormalizes the top-k weights).
+* ``qwen2``: head_dim is ``hidden_size // num_attention_heads`` on both sides.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import gguf
+import numpy as np
+
+__all__ = ["TinySpec", "tiny_spec", "tokenizer_metadata", "write_tiny_gguf", "quantize_np"]
+
+
+@dataclass
+class TinySpec:
+    arch: str  # "qwen2", "qwen3", "qwen3moe"
+    n_layer: int = 2
+    hidden: int = 256
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 128
+    ffn: int = 768
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ffn: int = 768
+    context_length: int = 2048
+    rope_theta: float = 1_000_000.0
+    eps: float = 1e-6
+    tied: bool = True  # no output.weight: the LM head reuses token_embd
+    # ggml format per tensor role ("embd", "output", "attn", "ffn", "ffn_down", "router")
+    qtypes: dict = field(default_factory=dict)
+    seed: int = 0
+
+
+def tiny_spec(arch: str, **kw) -> TinySpec:
+    """The default tiny shape of ``arch`` (hidden 256, 2 layers), see the module docstring."""
+    if arch == "qwen3":
+        spec = TinySpec(arch, head_dim=128)
+    elif arch == "qwen3moe":
+        spec = TinySpec(arch, head_dim=128, n_expert=8, n_expert_used=2, expert_ffn=768)
+    elif arch == "qwen2":
+        spec = TinySpec(arch, head_dim=256 // 4)
+    else:
+        raise ValueError(f"no tiny spec for architecture {arch!r}")
+    for k, v in kw.items():
+        if not hasattr(spec, k):
+            raise TypeError(f"TinySpec has no field {k!r}")
+        setattr(spec, k, v)
+    return spec
+
+
+def quantize_np(x: np.ndarray, qtype: str) -> np.ndarray:
+    """Pack a float32 array ``[..., K]`` into ggml blocks: ``uint8 [..., row_bytes]``.
+
+    Uses ``gguf.quants.quantize`` where the gguf package can quantize the format, else
+    ``hanzo_torch.quantize`` (e.g. the K-quants). F32 returns ``x`` unchanged.
+    """
+    qt = gguf.GGMLQuantizationType[qtype]
+    if qt == gguf.GGMLQuantizationType.F32:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    try:
+        return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qt)
+    except NotImplementedError:
+        import torch
+
+        import hanzo_torch
+
+        return hanzo_torch.quantize(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), qtype).numpy()
+
+
+def tokenizer_metadata(full: bool = True) -> dict:
+    """Qwen3's GGUF ``tokenizer.*`` metadata (:func:`tests.qwen_vocab.qwen3_tokenizer_metadata`).
+
+    ``full=False`` keeps the real 151936-entry token list and the special ids but drops
+    ``token_type``, ``merges`` and the chat template: enough for transformers to size the vocabulary
+    (it takes ``vocab_size`` from the token count), not enough to build a tokenizer. It exists
+    for speed: ``gguf.GGUFReader``, which transformers' loader runs, spends seconds per 100k
+    array elements, and the full vocabulary has 455k of them.
+    """
+    from tests.qwen_vocab import qwen3_tokenizer_metadata
+
+    meta = qwen3_tokenizer_metadata()
+    if not full:
+        for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.chat_template"):
+            meta.pop(key)
+    return meta
+
+
+def write_tiny_gguf(path: str | os.PathLike, spec: TinySpec, tokenizer_meta: Optional[dict] = None) -> str:
+    """Write a random-weight GGUF of ``spec`` to ``path`` and return the path.
+
+    Weights: token_embd ~ N(0, 1); projections ~ N(0, 1/K) (so attention and FFN outputs are
+    comparable to the residual and the context changes the logits); norm weights 1 + N(0, 0.1);
+    Qwen2 q/k/v biases N(0, 0.5). Vocabulary size = number of tokenizer tokens.
+    """
+    from tests.qwen_vocab import add_tokenizer_metadata
+
+    meta = tokenizer_metadata() if tokenizer_meta is None else tokenizer_meta
+    n_vocab = len(meta["tokenizer.ggml.tokens"])
+    rng = np.random.default_rng(spec.seed)
+    a, H, D = spec.arch, spec.hidden, spec.head_dim
+    q = {"embd": "F32", "output": "F32", "attn": "F32", "ffn": "F32", "ffn_down": "F32", "router": "F32"}
+    q.update(spec.qtypes)
+
+    w = gguf.GGUFWriter(os.fspath(path), a)
+    w.add_name(f"tiny-random-{a}")
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_block_count(spec.n_layer)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(spec.ffn)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(spec.eps)
+    if a in ("qwen3", "qwen3moe"):
+        w.add_key_length(D)
+        w.add_value_length(D)
+    if spec.n_expert:
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
+        w.add_expert_feed_forward_length(spec.expert_ffn)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if set(q.values()) == {"F32"} else gguf.LlamaFileType.GUESSED)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_tokenizer_metadata(w, meta)
+
+    def randn(*shape, std=1.0):
+        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+
+    def tensor(name, x, role=None):
+        qt = q[role] if role else "F32"
+        w.add_tensor(name, quantize_np(x, qt), raw_dtype=gguf.GGMLQuantizationType[qt])
+
+    def norm(n):
+        return 1.0 + randn(n, std=0.1)
+
+    tensor("token_embd.weight", randn(n_vocab, H), "embd")
+    tensor("output_norm.weight", norm(H))
+    if not spec.tied:
+        tensor("output.weight", randn(n_vocab, H, std=H**-0.5), "output")
+    Hq, Hk = spec.n_head * D, spec.n_head_kv * D
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        tensor(p + "attn_norm.weight", norm(H))
+        tensor(p + "attn_q.weight", randn(Hq, H, std=H**-0.5), "attn")
+        tensor(p + "attn_k.weight", randn(Hk, H, std=H**-0.5), "attn")
+        tensor(p + "attn_v.weight", randn(Hk, H, std=H**-0.5), "attn")
+        if a == "qwen2":
+            tensor(p + "attn_q.bias", randn(Hq, std=0.5))
+            tensor(p + "attn_k.bias", randn(Hk, std=0.5))
+            tensor(p + "attn_v.bias", randn(Hk, std=0.5))
+        if a in ("qwen3", "qwen3moe"):
+            tensor(p + "attn_q_norm.weight", norm(D))
+            tensor(p + "attn_k_norm.weight", norm(D))
+        tensor(p + "attn_output.weight", randn(H, Hq, std=Hq**-0.5), "attn")
+        tensor(p + "ffn_norm.weight", norm(H))
+        if spec.n_expert:
+            E, F = spec.n_expert, spec.expert_ffn
+            tensor(p + "ffn_gate_inp.weight", randn(E, H, std=H**-0.5), "router")
+            tensor(p + "ffn_gate_exps.weight", randn(E, F, H, std=H**-0.5), "ffn")
+            tensor(p + "ffn_up_exps.weight", randn(E, F, H, std=H**-0.5), "ffn")
+            tensor(p + "ffn_down_exps.weight", randn(E, H, F, std=F**-0.5), "ffn_down")
+        else:
+            F = spec.ffn
+            tensor(p + "ffn_gate.weight", randn(F, H, std=H**-0.5), "ffn")
+            tensor(p + "ffn_up.weight", randn(F, H, std=H**-0.5), "ffn")
+            tensor(p + "ffn_down.weight", randn(H, F, std=F**-0.5), "ffn_down")
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(path)
