@@ -93,7 +93,7 @@ def view_bytes_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Copies first when ``x`` is not contiguous or its storage offset is not a multiple of the
     item size (``Tensor.view(dtype)`` refuses those), so any slice of packed data works.
     """
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if not x.is_contiguous() or x.storage_offset() % size:
         x = x.clone(memory_format=torch.contiguous_format)
     return x.view(dtype)
@@ -143,11 +143,16 @@ def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
 def _f32_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     check_blocks(blocks, "F32")
     # a fresh tensor: callers may treat the result as theirs (and custom ops must not alias)
-    out = view_bytes_as(blocks, torch.float32)
-    return out.clone() if out.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr() else out
+    return blocks.clone(memory_format=torch.contiguous_format).view(torch.float32)
+
+
+def _check_values(values: torch.Tensor, name: str) -> None:
+    if values.dim() != 2 or values.shape[1] != 1:
+        raise ValueError(f"{name}: values must have shape [n, 1], got {list(values.shape)}")
 
 
 def _f32_quantize(values: torch.Tensor) -> torch.Tensor:
+    _check_values(values, "F32")
     return values.to(torch.float32).contiguous().view(torch.uint8).clone()
 
 
@@ -157,16 +162,18 @@ def _f16_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _f16_quantize(values: torch.Tensor) -> torch.Tensor:
+    _check_values(values, "F16")
     return fp16_bytes(values)
 
 
 def _bf16_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     check_blocks(blocks, "BF16")
-    # bf16 bits are the high half of the float32 bits: prepend two zero bytes (little-endian)
-    return torch.cat([torch.zeros_like(blocks), blocks], dim=1).view(torch.float32)
+    # bf16 -> float32 is exact (the bf16 bits become the high half of the float32 bits)
+    return view_bytes_as(blocks, torch.bfloat16).float()
 
 
 def _bf16_quantize(values: torch.Tensor) -> torch.Tensor:
+    _check_values(values, "BF16")
     # ggml_compute_fp32_to_bf16 (as gguf.quants.BF16): a NaN becomes a quiet NaN with its sign
     # and top payload bits; everything else rounds to nearest even, overflowing to +-inf.
     n = values.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF

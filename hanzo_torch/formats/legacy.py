@@ -49,19 +49,22 @@ def unpack_bits(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
         ``uint8 [n, L * 8 // bits]`` with values in ``[0, 2**bits)``.
     """
     n, length = x.shape
-    per_byte = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device).view(1, 1, per_byte, 1)
-    v = (x.reshape(n, length // group, 1, group) >> shifts) & ((1 << bits) - 1)
-    return v.reshape(n, length * per_byte)
+    mask = (1 << bits) - 1
+    xv = x.reshape(n, length // group, 1, group)
+    # one scalar shift per bit plane (much faster on CPU than a broadcast tensor of shifts)
+    planes = [xv & mask if s == 0 else (xv >> s) & mask for s in range(0, 8, bits)]
+    return torch.cat(planes, dim=2).reshape(n, length * 8 // bits)
 
 
 def pack_bits(q: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     """Inverse of :func:`unpack_bits`: ``q [n, M]`` integers in ``[0, 2**bits)`` -> ``uint8 [n, M * bits // 8]``."""
     n, m = q.shape
     per_byte = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=q.device).view(1, 1, per_byte, 1)
-    v = q.to(torch.int32).reshape(n, m // (group * per_byte), per_byte, group) << shifts
-    return v.sum(dim=2, dtype=torch.int32).to(torch.uint8).reshape(n, m * bits // 8)
+    qv = q.to(torch.int32).reshape(n, m // (group * per_byte), per_byte, group)
+    acc = qv[:, :, 0]
+    for k in range(1, per_byte):
+        acc = acc | (qv[:, :, k] << (k * bits))
+    return acc.to(torch.uint8).reshape(n, m * bits // 8)
 
 
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
