@@ -314,6 +314,11 @@ def _attention_kernel(q, kc, vc, out, pos, T, S, Hq, Hk, G, scale,
              mask=rm[:, None] & dm[None, :])
 
 
+ATTN_BS = 32
+"""Keys per step of the attention kernel; with 16-row blocks at 4 warps and D <= 128 the sm_90
+compile is spill-free (benchmarks/triton_gpu_check.py --aot)."""
+
+
 def attention(q, k_cache, v_cache, positions, scale: float, impl: str) -> torch.Tensor:
     """Triton ``hanzo::attention``: causal-by-position GQA of ``q [B, T, Hq, D]`` against the caches.
 
@@ -335,7 +340,9 @@ def attention(q, k_cache, v_cache, positions, scale: float, impl: str) -> torch.
         raise ValueError("attention: k_cache and v_cache must have the same strides")
     if q.stride(3) != 1:
         q = q.contiguous()
-    BR = max(16, triton.next_power_of_2(G)) if T == 1 else max(64, triton.next_power_of_2(G))
+    # 16 rows (query positions x the G heads of one KV head): with the float32 P*V dot, larger
+    # row blocks spill on sm_90 (BR=32 at 8 warps: 176 B, BR=64: 1 KB of stack).
+    BR = max(16, triton.next_power_of_2(G))
     TPB = BR // G
     BD = max(16, triton.next_power_of_2(D))
     qk_dot = tl.float32 if (q.dtype == torch.float32 or _interpreting(_attention_kernel)) else _TL[q.dtype]
@@ -343,6 +350,7 @@ def attention(q, k_cache, v_cache, positions, scale: float, impl: str) -> torch.
     _attention_kernel[grid](q, k_cache, v_cache, out, positions.contiguous(), T, S, Hq, Hk, G, float(scale),
                             q.stride(0), q.stride(1), q.stride(2),
                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                            D=D, BD=BD, BR=BR, BS=32 if BD > 128 else 64, QK_DOT=qk_dot,
-                            QK_PREC="ieee" if qk_dot == tl.float32 else "tf32", num_warps=4)
+                            D=D, BD=BD, BR=BR, BS=ATTN_BS, QK_DOT=qk_dot,
+                            QK_PREC="ieee" if qk_dot == tl.float32 else "tf32",
+                            num_warps=4 if BR <= 16 else 8)
     return out

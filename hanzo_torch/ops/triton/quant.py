@@ -220,18 +220,26 @@ def _gemm_kernel(x, w, y, tab, rows_idx, tile_expert, M, N, K, rb, x_div, n_expe
              mask=rm[:, None] & nm[None, :])
 
 
+# Launch configurations. Sized with the sm_90 AOT compile of every format (register count and
+# spills from cuobjdump, see benchmarks/triton_gpu_check.py --aot): about 8 unpacked weight
+# values per thread keep the heaviest unpack rules (IQ*, K-quants) spill-free. Speed is to be
+# tuned on a GPU with benchmarks/triton_gpu_check.py.
+MATVEC_WARPS = 8
+GEMM_WARPS = 8
+
+
 def _matvec_config(M: int) -> tuple[int, int, int]:
-    # (BM, BN, BK): BM * BN * BK float32 accumulators, kept at 4096 per program (32 per thread
-    # at 4 warps).
+    # (BM, BN, BK): the weight tile is BN x BK = 2048 values (8 per thread at 8 warps); the
+    # float32 accumulator BM x BN x BK is reduced over K once, after the loop.
     BM = triton.next_power_of_2(max(M, 1))
     BK = 256 if BM == 1 else 128 if BM <= 2 else 64
-    BN = max(4096 // (BM * BK), 1)
+    BN = max(2048 // (BM * BK), 1) if BM > 1 else 8
     return BM, BN, BK
 
 
 def _gemm_config(M: int, x_dtype: torch.dtype) -> dict:
     BM = 64 if M >= 64 else max(16, triton.next_power_of_2(M))
-    return dict(BM=BM, BN=64, BK=64 if x_dtype != torch.float32 else 32, GROUP_M=8)
+    return dict(BM=BM, BN=64, BK=32, GROUP_M=8)
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -280,13 +288,13 @@ def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
         BM, BN, BK = _matvec_config(M)
         _matvec_kernel[(triton.cdiv(N, BN), 1)](x2, w, y, tab, x2, M, N, K, rb, 1, 1,
                                                 FMT=fid, QK=qk, TS=ts, INDEXED=False,
-                                                BM=BM, BN=BN, BK=BK, num_warps=4)
+                                                BM=BM, BN=BN, BK=BK, num_warps=MATVEC_WARPS)
     else:
         cfg = _gemm_config(M, x.dtype)
         grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
         _gemm_kernel[grid](x2, w, y, tab, x2, x2, M, N, K, rb, 1, 1,
                            FMT=fid, QK=qk, TS=ts, DOT=_dot_dtype(x.dtype), PREC=_prec(x.dtype),
-                           GROUPED=False, **cfg, num_warps=4, num_stages=3)
+                           GROUPED=False, **cfg, num_warps=GEMM_WARPS, num_stages=3)
     return y
 
 
@@ -364,7 +372,7 @@ def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) 
         BM, BN, BK = _matvec_config(1)
         _matvec_kernel[(triton.cdiv(N, BN), S)](xc, w, y, tab, flat, 1, N, K, rb, x_div, E,
                                                 FMT=fid, QK=qk, TS=ts, INDEXED=True,
-                                                BM=BM, BN=BN, BK=BK, num_warps=4)
+                                                BM=BM, BN=BN, BK=BK, num_warps=MATVEC_WARPS)
         return y
     y = torch.full((T, kk, N), float("nan"), dtype=x.dtype, device=x.device)
     cfg = _gemm_config(max(S // max(E, 1), 1), x.dtype)
@@ -372,7 +380,7 @@ def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) 
     grid = (n_tiles * triton.cdiv(N, cfg["BN"]),)
     _gemm_kernel[grid](xc, w, y, tab, rows_idx, tile_expert, n_tiles * cfg["BM"], N, K, rb, x_div, E,
                        FMT=fid, QK=qk, TS=ts, DOT=_dot_dtype(x.dtype), PREC=_prec(x.dtype),
-                       GROUPED=True, **cfg, num_warps=4, num_stages=3)
+                       GROUPED=True, **cfg, num_warps=GEMM_WARPS, num_stages=3)
     return y
 
 
