@@ -542,3 +542,44 @@ def test_empty_dim_tensor_loads(tmp_path):
         assert tuple(f.packed("e").shape) == (0, 32)
         assert tuple(f.tensors["e"].shape) == (0, 8)
         assert torch.equal(f.tensors["w"].dequantize(), torch.ones(3))
+
+
+def test_version_2_loads(sample_file, tmp_path):
+    p = _patched(tmp_path, sample_file.read_bytes(), 4, struct.pack("<I", 2))  # v2 layout == v3 layout
+    with GGUFFile(p, dtype=torch.bfloat16) as f:
+        assert f.version == 2
+        assert f.metadata["qwen3.block_count"] == 2
+        assert f.tensors["blk.0.attn_q.weight"].dtype == torch.bfloat16
+
+
+def _raw_gguf(kv: bytes, n_kv: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, n_kv) + kv
+
+
+def _key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+def test_error_arrays_nested_too_deep(tmp_path):
+    depth = 12
+    value = struct.pack("<I", VT.ARRAY)  # the key's value type
+    for _ in range(depth - 1):
+        value += struct.pack("<IQ", VT.ARRAY, 1)
+    value += struct.pack("<IQ", VT.UINT8, 1) + b"\x07"
+    p = tmp_path / "deep.gguf"
+    p.write_bytes(_raw_gguf(_key("k.deep") + value, 1))
+    _open_fails(p, "'k.deep'.*nested more than 8 deep")
+    # a shallow nest of the same construction loads and decodes
+    shallow = struct.pack("<I", VT.ARRAY) + struct.pack("<IQ", VT.ARRAY, 1) + struct.pack("<IQ", VT.UINT8, 2) + b"\x07\x09"
+    p.write_bytes(_raw_gguf(_key("k.nest") + shallow, 1))
+    with GGUFFile(p) as f:
+        assert f.metadata["k.nest"] == [[7, 9]] and f.tensor_info == {}
+
+
+def test_error_bad_bool_in_array_raises_on_access(tmp_path):
+    value = struct.pack("<IIQ", VT.ARRAY, VT.BOOL, 3) + b"\x01\x00\x05"
+    p = tmp_path / "bools.gguf"
+    p.write_bytes(_raw_gguf(_key("k.flags") + value, 1))
+    with GGUFFile(p) as f:
+        with pytest.raises(GGUFError, match="'k.flags': bool array holds a byte other than 0/1"):
+            f.metadata["k.flags"]
