@@ -1,0 +1,394 @@
+// Format traits: the value axis of the CPU kernels.
+//
+// Included INSIDE an ISA namespace by each isa_*.cpp (after <immintrin.h> etc.), so every trait is
+// compiled once per instruction set. Each trait describes one ggml block format:
+//   QK        values per block, BYTES bytes per block (ggml-common.h layouts; checked against
+//             gguf.GGML_QUANT_SIZES by the Python loader at run time),
+//   SIGNED    the unpacked integers are int8 (else uint8),
+//   HAS_MIN   the value has a subtracted per-group minimum,
+//   unpack()  portable scalar rule: block -> Unpacked, such that value p of the block is
+//                 (d * sc[p/16]) * q[p] - dmin * mn[p/16]          (mn term only if HAS_MIN)
+//             with q, sc, mn small integers. This one rule serves dequantization, the scalar
+//             int8 dot product and the generic SIMD dot product (for formats without SIMD hooks).
+//   Simd      (optional, AVX2 TUs) register-level hooks for the hot formats: prep() and chunk().
+//             A Simd may choose a different integer representation than unpack() (e.g. Q6_K uses
+//             unsigned q with a min of 32*sc so the AVX2 dot needs no sign fix-up).
+// Blocks of 32 values (QK == 32) have a single scale and a single min per block.
+// Facts (layouts, grids) follow ggml-common.h / gguf.quants; the code is ours.
+
+struct Unpacked {
+    alignas(32) uint8_t q[256];  // uint8 or (SIGNED) int8 bit patterns, in value order
+    alignas(32) int16_t sc[16];  // integer scale per group of 16 values
+    alignas(32) int16_t mn[16];  // integer min per group of 16 values
+    float d, dmin;
+};
+
+static inline float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    if (e == 0) {
+        float f = (float)m * 5.9604644775390625e-08f;  // m * 2^-24 (zero or subnormal)
+        return sign ? -f : f;
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | (m << 13);
+    } else {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline float rd_f16(const uint8_t* p) { uint16_t h; memcpy(&h, p, 2); return fp16_to_f32(h); }
+static inline uint32_t rd_u32(const uint8_t* p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint16_t rd_u16(const uint8_t* p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+static inline void fill_groups(Unpacked& u, int ngroups, int sc, int mn) {
+    for (int g = 0; g < ngroups; ++g) { u.sc[g] = (int16_t)sc; u.mn[g] = (int16_t)mn; }
+}
+
+// Q4_K / Q5_K 6-bit scales and mins: 12 bytes -> 8 scales, 8 mins (ggml get_scale_min_k4).
+static inline void kquant_scales_6bit(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0f) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+// Tables that cannot be computed: IQ4_NL / IQ4_XS non-linear levels and MXFP4 e2m1 levels
+// (doubled) are small and fixed by the format; the i-quant grids are read from gguf.quants at
+// run time (set_grid in ops.cpp) and reach this code through hz_tables.
+static const int8_t kvalues_iq4nl_[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t kvalues_mxfp4_[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// ---------------------------------------------------------------- legacy 32-value blocks
+struct FQ4_0 {  // d f16 | qs[16]: value = d * (nibble - 8)
+    static constexpr int ID = 2, QK = 32, BYTES = 18;
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t* qs = b + 2;
+        for (int j = 0; j < 16; ++j) { u.q[j] = qs[j] & 15; u.q[j + 16] = qs[j] >> 4; }
+        u.d = rd_f16(b); u.dmin = u.d; fill_groups(u, 2, 1, 8);
+    }
+};
+struct FQ4_1 {  // d f16 | m f16 | qs[16]: value = d * nibble + m
+    static constexpr int ID = 3, QK = 32, BYTES = 20;
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t* qs = b + 4;
+        for (int j = 0; j < 16; ++j) { u.q[j] = qs[j] & 15; u.q[j + 16] = qs[j] >> 4; }
+        u.d = rd_f16(b); u.dmin = -rd_f16(b + 2); fill_groups(u, 2, 1, 1);
+    }
+};
+struct FQ5_0 {  // d f16 | qh u32 | qs[16]: value = d * ((nibble | bit<<4) - 16)
+    static constexpr int ID = 6, QK = 32, BYTES = 22;
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        uint32_t qh = rd_u32(b + 2); const uint8_t* qs = b + 6;
+        for (int j = 0; j < 16; ++j) {
+            u.q[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
+            u.q[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        }
+        u.d = rd_f16(b); u.dmin = u.d; fill_groups(u, 2, 1, 16);
+    }
+};
+struct FQ5_1 {  // d f16 | m f16 | qh u32 | qs[16]: value = d * (nibble | bit<<4) + m
+    static constexpr int ID = 7, QK = 32, BYTES = 24;
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        uint32_t qh = rd_u32(b + 4); const uint8_t* qs = b + 8;
+        for (int j = 0; j < 16; ++j) {
+            u.q[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
+            u.q[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        }
+        u.d = rd_f16(b); u.dmin = -rd_f16(b + 2); fill_groups(u, 2, 1, 1);
+    }
+};
+struct FQ8_0 {  // d f16 | qs int8[32]: value = d * q
+    static constexpr int ID = 8, QK = 32, BYTES = 34;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        memcpy(u.q, b + 2, 32); u.d = rd_f16(b); u.dmin = 0.f; fill_groups(u, 2, 1, 0);
+    }
+};
+struct FIQ4_NL {  // d f16 | qs[16]: value = d * kvalues_iq4nl[nibble]
+    static constexpr int ID = 20, QK = 32, BYTES = 18;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t* qs = b + 2;
+        for (int j = 0; j < 16; ++j) {
+            u.q[j] = (uint8_t)kvalues_iq4nl_[qs[j] & 15]; u.q[j + 16] = (uint8_t)kvalues_iq4nl_[qs[j] >> 4];
+        }
+        u.d = rd_f16(b); u.dmin = 0.f; fill_groups(u, 2, 1, 0);
+    }
+};
+struct FMXFP4 {  // e8m0 e | qs[16]: value = 2^(e-128) * kvalues_mxfp4[nibble] (levels doubled)
+    static constexpr int ID = 39, QK = 32, BYTES = 17;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t* qs = b + 1;
+        for (int j = 0; j < 16; ++j) {
+            u.q[j] = (uint8_t)kvalues_mxfp4_[qs[j] & 15]; u.q[j + 16] = (uint8_t)kvalues_mxfp4_[qs[j] >> 4];
+        }
+        uint32_t e = b[0], bits = e < 2 ? (0x00200000u << e) : ((e - 1) << 23);
+        memcpy(&u.d, &bits, 4); u.dmin = 0.f; fill_groups(u, 2, 1, 0);
+    }
+};
+
+// ---------------------------------------------------------------- K-quants (256-value blocks)
+struct FQ2_K {  // scales[16] (lo: scale, hi: min) | qs[64] | d f16 | dmin f16
+    static constexpr int ID = 10, QK = 256, BYTES = 84;
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t* qs = b + 16;
+        for (int h = 0; h < 2; ++h)
+            for (int j = 0; j < 4; ++j)
+                for (int l = 0; l < 32; ++l) u.q[128 * h + 32 * j + l] = (qs[32 * h + l] >> (2 * j)) & 3;
+        for (int g = 0; g < 16; ++g) { u.sc[g] = b[g] & 15; u.mn[g] = b[g] >> 4; }
+        u.d = rd_f16(b + 80); u.dmin = rd_f16(b + 82);
+    }
+};
+struct FQ3_K {  // hmask[32] | qs[64] | scales[12] (6-bit, -32) | d f16: value = d*sc*(q3 - 4)
+    static constexpr int ID = 11, QK = 256, BYTES = 110;
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+        for (int h = 0; h < 2; ++h)
+            for (int j = 0; j < 4; ++j)
+                for (int l = 0; l < 32; ++l)
+                    u.q[128 * h + 32 * j + l] =
+                        (uint8_t)(((qs[32 * h + l] >> (2 * j)) & 3) | (((hm[l] >> (4 * h + j)) & 1) << 2));
+        for (int g = 0; g < 16; ++g) {
+            int lo = g < 8 ? (s[g] & 15) : (s[g - 8] >> 4);
+            int hi = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+            u.sc[g] = (int16_t)((lo | (hi << 4)) - 32);
+            u.mn[g] = (int16_t)(4 * u.sc[g]);
+        }
+        u.d = rd_f16(b + 108); u.dmin = u.d;
+    }
+};
+struct FQ4_K {  // d f16 | dmin f16 | scales[12] | qs[128]: value = d*sc*q - dmin*m per 32
+    static constexpr int ID = 12, QK = 256, BYTES = 144;
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        uint8_t sc[8], mn[8];
+        kquant_scales_6bit(b + 4, sc, mn);
+        const uint8_t* qs = b + 16;
+        for (int c = 0; c < 4; ++c)
+            for (int l = 0; l < 32; ++l) { u.q[64 * c + l] = qs[32 * c + l] & 15; u.q[64 * c + 32 + l] = qs[32 * c + l] >> 4; }
+        for (int g = 0; g < 16; ++g) { u.sc[g] = sc[g >> 1]; u.mn[g] = mn[g >> 1]; }
+        u.d = rd_f16(b); u.dmin = rd_f16(b + 2);
+    }
+};
+struct FQ5_K {  // d | dmin | scales[12] | qh[32] | qs[128]
+    static constexpr int ID = 13, QK = 256, BYTES = 176;
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        uint8_t sc[8], mn[8];
+        kquant_scales_6bit(b + 4, sc, mn);
+        const uint8_t *qh = b + 16, *qs = b + 48;
+        for (int s = 0; s < 8; ++s)
+            for (int l = 0; l < 32; ++l) {
+                uint8_t nib = (s & 1) ? (qs[32 * (s >> 1) + l] >> 4) : (qs[32 * (s >> 1) + l] & 15);
+                u.q[32 * s + l] = (uint8_t)(nib | (((qh[l] >> s) & 1) << 4));
+            }
+        for (int g = 0; g < 16; ++g) { u.sc[g] = sc[g >> 1]; u.mn[g] = mn[g >> 1]; }
+        u.d = rd_f16(b); u.dmin = rd_f16(b + 2);
+    }
+};
+struct FQ6_K {  // ql[128] | qh[64] | scales int8[16] | d f16: value = d*sc*(q6 - 32)
+    static constexpr int ID = 14, QK = 256, BYTES = 210;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            for (int l = 0; l < 32; ++l) {
+                int8_t* q = (int8_t*)u.q + 128 * h;
+                q[l] = (int8_t)(((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                q[l + 32] = (int8_t)(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                q[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                q[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+        for (int g = 0; g < 16; ++g) { u.sc[g] = (int8_t)b[192 + g]; u.mn[g] = 0; }
+        u.d = rd_f16(b + 208); u.dmin = 0.f;
+    }
+};
+struct FIQ4_XS {  // d f16 | scales_h u16 | scales_l[4] | qs[128]: value = d*(ls-32)*kvalues_iq4nl[nibble]
+    static constexpr int ID = 23, QK = 256, BYTES = 136;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        uint16_t sh = rd_u16(b + 2); const uint8_t *sl = b + 4, *qs = b + 8;
+        for (int ib = 0; ib < 8; ++ib) {
+            int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+            u.sc[2 * ib] = u.sc[2 * ib + 1] = (int16_t)(ls - 32);
+            u.mn[2 * ib] = u.mn[2 * ib + 1] = 0;
+            for (int j = 0; j < 16; ++j) {
+                u.q[32 * ib + j] = (uint8_t)kvalues_iq4nl_[qs[16 * ib + j] & 15];
+                u.q[32 * ib + 16 + j] = (uint8_t)kvalues_iq4nl_[qs[16 * ib + j] >> 4];
+            }
+        }
+        u.d = rd_f16(b); u.dmin = 0.f;
+    }
+};
+struct FTQ2_0 {  // qs[64] (2-bit) | d f16: value = d * (q - 1)
+    static constexpr int ID = 35, QK = 256, BYTES = 66;
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        for (int h = 0; h < 2; ++h)
+            for (int l = 0; l < 4; ++l)
+                for (int m = 0; m < 32; ++m) u.q[128 * h + 32 * l + m] = (b[32 * h + m] >> (2 * l)) & 3;
+        u.d = rd_f16(b + 64); u.dmin = u.d; fill_groups(u, 16, 1, 1);
+    }
+};
+struct FTQ1_0 {  // qs[48] (5 trits/byte) | qh[4] (4 trits/byte) | d f16: value = d * (trit - 1)
+    static constexpr int ID = 34, QK = 256, BYTES = 54;
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static inline uint8_t trit(uint8_t byte, int n) {
+        static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+        uint8_t q = (uint8_t)(byte * pow3[n]);
+        return (uint8_t)(((uint16_t)q * 3) >> 8);
+    }
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t *qs = b, *qh = b + 48;
+        int p = 0;
+        for (int n = 0; n < 5; ++n) for (int m = 0; m < 32; ++m) u.q[p++] = trit(qs[m], n);
+        for (int n = 0; n < 5; ++n) for (int m = 0; m < 16; ++m) u.q[p++] = trit(qs[32 + m], n);
+        for (int n = 0; n < 4; ++n) for (int j = 0; j < 4; ++j) u.q[p++] = trit(qh[j], n);
+        u.d = rd_f16(b + 52); u.dmin = u.d; fill_groups(u, 16, 1, 1);
+    }
+};
+
+// ---------------------------------------------------------------- i-quants with codebook grids
+// Grid tables come from gguf.quants (<Type>.grid) via hz_set_grid(); rows of 8 (or 4) int8
+// values. Sign bytes of IQ2_XXS/IQ2_XS/IQ3_XXS store 7 bits; the 8th is their parity.
+static inline uint8_t sign7(uint32_t s7) {
+    s7 &= 127;
+    return (uint8_t)(s7 | ((__builtin_popcount(s7) & 1) << 7));
+}
+static inline void put_signed8(uint8_t* dst, const int8_t* grid_row, uint8_t signs, int mul, int add_pos, int add_neg) {
+    // dst[i] = (mul * g[i] + add) * (-1)^bit_i   (IQ1 uses mul=8, add=+-1; others mul=1, add=0)
+    for (int i = 0; i < 8; ++i) {
+        int v = grid_row[i];
+        (void)add_neg;
+        v = v * mul + add_pos;
+        dst[i] = (uint8_t)(int8_t)((signs >> i) & 1 ? -v : v);
+    }
+}
+struct FIQ2_XXS {  // d f16 | 8 x (u32 grid idx x4, u32 signs 4x7 bits | scale<<28): value = d*(0.5+s)/4 * grid * sign
+    static constexpr int ID = 16, QK = 256, BYTES = 66;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        for (int ib = 0; ib < 8; ++ib) {
+            const uint8_t* g = b + 2 + 8 * ib;
+            uint32_t aux1 = rd_u32(g + 4);
+            for (int l = 0; l < 4; ++l)
+                put_signed8(u.q + 32 * ib + 8 * l, hz_grid_iq2xxs + 8 * g[l], sign7(aux1 >> (7 * l)), 1, 0, 0);
+            u.sc[2 * ib] = u.sc[2 * ib + 1] = (int16_t)(2 * (aux1 >> 28) + 1);
+            u.mn[2 * ib] = u.mn[2 * ib + 1] = 0;
+        }
+        u.d = rd_f16(b) * 0.125f; u.dmin = 0.f;
+    }
+};
+struct FIQ2_XS {  // d f16 | qs u16[32] (9-bit grid idx | 7 sign bits) | scales[8] (4 bits per 16)
+    static constexpr int ID = 17, QK = 256, BYTES = 74;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        for (int i = 0; i < 32; ++i) {
+            uint16_t v = rd_u16(b + 2 + 2 * i);
+            put_signed8(u.q + 8 * i, hz_grid_iq2xs + 8 * (v & 511), sign7(v >> 9), 1, 0, 0);
+        }
+        for (int g = 0; g < 16; ++g) { u.sc[g] = (int16_t)(2 * ((b[66 + g / 2] >> (4 * (g % 2))) & 15) + 1); u.mn[g] = 0; }
+        u.d = rd_f16(b) * 0.125f; u.dmin = 0.f;
+    }
+};
+struct FIQ2_S {  // d | qs[32] | signs[32] | qh[8] (2 high idx bits each) | scales[8]
+    static constexpr int ID = 22, QK = 256, BYTES = 82;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t *qs = b + 2, *sg = b + 34, *qh = b + 66, *s = b + 74;
+        for (int i = 0; i < 32; ++i) {
+            int idx = qs[i] | (((qh[i / 4] >> (2 * (i % 4))) & 3) << 8);
+            put_signed8(u.q + 8 * i, hz_grid_iq2s + 8 * idx, sg[i], 1, 0, 0);
+        }
+        for (int g = 0; g < 16; ++g) { u.sc[g] = (int16_t)(2 * ((s[g / 2] >> (4 * (g % 2))) & 15) + 1); u.mn[g] = 0; }
+        u.d = rd_f16(b) * 0.125f; u.dmin = 0.f;
+    }
+};
+struct FIQ3_XXS {  // d | qs[64] (grid idx, 4 values each) | 8 x u32 (signs 4x7 bits | scale<<28)
+    static constexpr int ID = 18, QK = 256, BYTES = 98;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t* qs = b + 2;
+        for (int ib = 0; ib < 8; ++ib) {
+            uint32_t aux = rd_u32(b + 66 + 4 * ib);
+            for (int l = 0; l < 4; ++l) {
+                int8_t row[8];
+                memcpy(row, hz_grid_iq3xxs + 4 * qs[8 * ib + 2 * l], 4);
+                memcpy(row + 4, hz_grid_iq3xxs + 4 * qs[8 * ib + 2 * l + 1], 4);
+                put_signed8(u.q + 32 * ib + 8 * l, row, sign7(aux >> (7 * l)), 1, 0, 0);
+            }
+            u.sc[2 * ib] = u.sc[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
+            u.mn[2 * ib] = u.mn[2 * ib + 1] = 0;
+        }
+        u.d = rd_f16(b) * 0.25f; u.dmin = 0.f;
+    }
+};
+struct FIQ3_S {  // d | qs[64] | qh[8] (9th idx bit) | signs[32] | scales[4] (4 bits per 32): value = d*(1+2s)*grid*sign
+    static constexpr int ID = 21, QK = 256, BYTES = 110;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t *qs = b + 2, *qh = b + 66, *sg = b + 74, *s = b + 106;
+        for (int i = 0; i < 32; ++i) {  // groups of 8 values = two grid rows of 4
+            int8_t row[8];
+            int i0 = 2 * i, i1 = 2 * i + 1;
+            memcpy(row, hz_grid_iq3s + 4 * (qs[i0] | (((qh[i0 / 8] >> (i0 % 8)) & 1) << 8)), 4);
+            memcpy(row + 4, hz_grid_iq3s + 4 * (qs[i1] | (((qh[i1 / 8] >> (i1 % 8)) & 1) << 8)), 4);
+            put_signed8(u.q + 8 * i, row, sg[i], 1, 0, 0);
+        }
+        for (int g = 0; g < 16; ++g) { u.sc[g] = (int16_t)(1 + 2 * ((s[g / 4] >> (4 * ((g / 2) % 2))) & 15)); u.mn[g] = 0; }
+        u.d = rd_f16(b); u.dmin = 0.f;
+    }
+};
+struct FIQ1_S {  // d | qs[32] | qh u16[8] (3x3 high idx bits | scale<<12 | delta sign<<15): value = d*(2s+1)*(grid +- 1/8)
+    static constexpr int ID = 19, QK = 256, BYTES = 50;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t* qs = b + 2;
+        for (int ib = 0; ib < 8; ++ib) {
+            uint16_t qh = rd_u16(b + 34 + 2 * ib);
+            int delta = (qh & 0x8000) ? -1 : 1;
+            for (int l = 0; l < 4; ++l) {
+                int idx = qs[4 * ib + l] | (((qh >> (3 * l)) & 7) << 8);
+                put_signed8(u.q + 32 * ib + 8 * l, hz_grid_iq1s + 8 * idx, 0, 8, delta, 0);
+            }
+            u.sc[2 * ib] = u.sc[2 * ib + 1] = (int16_t)(2 * ((qh >> 12) & 7) + 1);
+            u.mn[2 * ib] = u.mn[2 * ib + 1] = 0;
+        }
+        u.d = rd_f16(b) * 0.125f; u.dmin = 0.f;
+    }
+};
+struct FIQ1_M {  // qs[32] | qh[16] (nibble per 8: 3 idx bits | delta sign) | scales u16[4] (3 bits per 16, f16 d in top nibbles)
+    static constexpr int ID = 29, QK = 256, BYTES = 56;
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t *qs = b, *qh = b + 32;
+        uint16_t s[4];
+        for (int i = 0; i < 4; ++i) s[i] = rd_u16(b + 48 + 2 * i);
+        uint16_t dh = (uint16_t)((s[0] >> 12) | ((s[1] >> 8) & 0x00f0) | ((s[2] >> 4) & 0x0f00) | (s[3] & 0xf000));
+        for (int i = 0; i < 32; ++i) {
+            int nib = (qh[i / 2] >> (4 * (i % 2))) & 15;
+            int idx = qs[i] | ((nib & 7) << 8);
+            put_signed8(u.q + 8 * i, hz_grid_iq1s + 8 * idx, 0, 8, (nib & 8) ? -1 : 1, 0);
+        }
+        for (int g = 0; g < 16; ++g) { u.sc[g] = (int16_t)(2 * ((s[g / 4] >> (3 * (g % 4))) & 7) + 1); u.mn[g] = 0; }
+        u.d = fp16_to_f32(dh) * 0.125f; u.dmin = 0.f;
+    }
+};
+
+// Every format, for the dispatch tables (X-macro: X(trait)).
+#define HZ_FOR_EACH_FORMAT(X)                                                                       \
+    X(FQ4_0) X(FQ4_1) X(FQ5_0) X(FQ5_1) X(FQ8_0) X(FQ2_K) X(FQ3_K) X(FQ4_K) X(FQ5_K) X(FQ6_K)      \
+    X(FIQ2_XXS) X(FIQ2_XS) X(FIQ2_S) X(FIQ3_XXS) X(FIQ3_S) X(FIQ1_S) X(FIQ1_M) X(FIQ4_NL)         \
+    X(FIQ4_XS) X(FTQ1_0) X(FTQ2_0) X(FMXFP4)

@@ -1,0 +1,50 @@
+// Plain C++ interface between the torch binding (ops.cpp) and the per-ISA kernel translation
+// units (isa_*.cpp). The ISA units include no torch or STL headers, so nothing compiled with
+// AVX2/AVX-512 code generation can leak into shared inline functions (ODR safety).
+#pragma once
+#include <stdint.h>
+
+// An activation quantized to int8: row m holds q[m*K .. m*K+K), one float scale per qa values
+// (qa = the weight format's block size: 32, or 256 for the K-quant style formats) and one int16
+// sum of q per 16 values.
+struct HzAct {
+    const int8_t* q;
+    const float* d;
+    const int16_t* s;
+    int64_t K;
+    int64_t qa;
+};
+
+// y[m*ldy + n] = sum_k x[m,k] * W[n,k] for n in [n0, n1), m in [0, M).
+typedef void (*hz_matmul_fn)(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t n1,
+                             const HzAct* a, int64_t M, float* y, int64_t ldy);
+// One packed row of K values -> float32.
+typedef void (*hz_dequant_fn)(const uint8_t* row, int64_t K, float* out);
+// Rows [0, M) of x (f32, row stride K) -> int8 activation blocks of qa values.
+typedef void (*hz_quant_fn)(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s);
+
+struct HzFormatKernels {
+    int type_id, qk, bytes;
+    hz_matmul_fn matvec;  // small M: reads each weight block once per 4 activation rows
+    hz_matmul_fn gemm;    // large M: unpacks weight tiles once, register-blocked int8 tiles
+    hz_dequant_fn dequant_row;
+};
+struct HzIsa {
+    const char* name;
+    hz_quant_fn quantize;
+    const HzFormatKernels* formats;
+    int n_formats;
+};
+
+extern "C" {
+const HzIsa* hz_isa_scalar();
+const HzIsa* hz_isa_avx2();
+const HzIsa* hz_isa_avx512();
+// Codebook grids of the i-quants (int8 rows), set from gguf.quants before use.
+extern const int8_t* hz_grid_iq2xxs;
+extern const int8_t* hz_grid_iq2xs;
+extern const int8_t* hz_grid_iq2s;
+extern const int8_t* hz_grid_iq3xxs;
+extern const int8_t* hz_grid_iq3s;
+extern const int8_t* hz_grid_iq1s;
+}

@@ -1,0 +1,444 @@
+// Generic contraction kernels, written once and instantiated per format trait (formats.h) and
+// per instruction set. Included INSIDE namespace hz_<isa> by isa_*.cpp with HZ_ISA set to
+// 0 (portable scalar), 1 (AVX2 + FMA + F16C) or 2 (AVX-512 VL/BW + VNNI on 256-bit vectors).
+//
+// Maths (all formats): weight value p of a block = (D*sc[g])*q[p] - Dmin*mn[g], g = p/16;
+// activation x ~ xd * xq (int8, one scale per block of the weight's block size). So per block
+//     dot = xd * (D * sum_g sc[g] * dot_int(q_g, xq_g)  -  Dmin * sum_g mn[g] * sum(xq_g))
+// where both sums are exact int32. Float rounding happens only once per block.
+
+template <class...> using hz_void_t = void;
+template <class T> static inline T hz_min(T a, T b) { return a < b ? a : b; }
+
+// ------------------------------------------------------------------------------ scalar path
+template <class T>
+static inline int32_t block_int_dot(const Unpacked& u, const int8_t* xq, int g) {
+    int32_t s = 0;
+    if (T::SIGNED) {
+        const int8_t* q = (const int8_t*)u.q + 16 * g;
+        for (int i = 0; i < 16; ++i) s += (int32_t)q[i] * xq[16 * g + i];
+    } else {
+        const uint8_t* q = u.q + 16 * g;
+        for (int i = 0; i < 16; ++i) s += (int32_t)q[i] * xq[16 * g + i];
+    }
+    return s;
+}
+
+template <class T>
+static void matmul_scalar(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
+                          float* y, int64_t ldy) {
+    const int64_t nb = a->K / T::QK, nbq = a->K / a->qa, ng = T::QK / 16;
+    Unpacked u;
+    for (int64_t n = n0; n < n1; ++n) {
+        for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+            T::unpack(W + n * rb + b * T::BYTES, u);
+            for (int64_t m = 0; m < M; ++m) {
+                const int8_t* xq = a->q + m * a->K + b * T::QK;
+                const int16_t* xs = a->s + m * (a->K / 16) + b * ng;
+                float xd = a->d[m * nbq + b];
+                int32_t isum = 0, msum = 0;
+                for (int g = 0; g < ng; ++g) {
+                    isum += u.sc[g] * block_int_dot<T>(u, xq, g);
+                    if (T::HAS_MIN) msum += u.mn[g] * xs[g];
+                }
+                y[m * ldy + n] += xd * (u.d * (float)isum - u.dmin * (float)msum);
+            }
+        }
+    }
+}
+
+template <class T>
+static void dequant_row(const uint8_t* row, int64_t K, float* out) {
+    Unpacked u;
+    for (int64_t b = 0; b < K / T::QK; ++b) {
+        T::unpack(row + b * T::BYTES, u);
+        float* o = out + b * T::QK;
+        for (int p = 0; p < T::QK; ++p) {
+            int g = p / 16;
+            float q = T::SIGNED ? (float)(int8_t)u.q[p] : (float)u.q[p];
+            float v = (u.d * (float)u.sc[g]) * q;
+            if (T::HAS_MIN) v -= u.dmin * (float)u.mn[g];
+            o[p] = v;
+        }
+    }
+}
+
+static void quantize_scalar(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < K / qa; ++b) {
+            const float* xb = x + m * K + b * qa;
+            float amax = 0.f;
+            for (int64_t i = 0; i < qa; ++i) { float v = xb[i] < 0 ? -xb[i] : xb[i]; amax = v > amax ? v : amax; }
+            float id = amax > 0.f ? 127.f / amax : 0.f;
+            d[m * (K / qa) + b] = amax / 127.f;
+            int8_t* qb = q + m * K + b * qa;
+            for (int64_t i = 0; i < qa; ++i) qb[i] = (int8_t)(int)nearbyintf(xb[i] * id);
+            for (int64_t g = 0; g < qa / 16; ++g) {
+                int sum = 0;
+                for (int i = 0; i < 16; ++i) sum += qb[16 * g + i];
+                s[m * (K / 16) + b * (qa / 16) + g] = (int16_t)sum;
+            }
+        }
+}
+
+#if HZ_ISA >= 1
+// ------------------------------------------------------------------------------ SIMD path
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline int hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+static inline float f16c(const uint8_t* p) { return _cvtsh_ss(rd_u16(p)); }
+
+// acc += s16 * (pairwise sums of q*x): q uint8 (or int8 when SIGNED), x int8, s16 int16 scales.
+template <bool SIGNED>
+static inline __m256i dot_acc(__m256i acc, __m256i q, __m256i x, __m256i s16) {
+    __m256i p = SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)) : _mm256_maddubs_epi16(q, x);
+#if HZ_ISA >= 2
+    return _mm256_dpwssd_epi32(acc, p, s16);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s16));
+#endif
+}
+// int16 scale vector for 32-value chunk c of a 256-block: group 2c in the low lane, 2c+1 high.
+static inline __m256i scvec(__m256i sc16, int c) {
+    __m256i v = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(c));
+    return _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                   2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+}
+static inline __m256i nibbles_lohi(__m128i v) {  // 16 bytes -> 32 nibbles: low nibbles first
+    const __m128i m4 = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+}
+static inline __m256i bits_to_bytes(uint32_t bits, int value) {  // byte i = (bit i of bits) ? value : 0
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                    _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                     2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8((char)value));
+}
+
+// Register-level hooks. Primary template: the generic rule, via the scalar unpack() into an
+// L1-resident buffer (serves every format). Specializations below are the hot formats.
+// QK == 32: d already includes the block's single scale, dmin its single min.
+template <class T>
+struct Hooks {
+    static constexpr bool SIGNED = T::SIGNED, HAS_MIN = T::HAS_MIN;
+    struct Prep { float d, dmin; __m256i sc16, mn16; Unpacked u; };
+    static inline void prep(const uint8_t* b, Prep& p) {
+        T::unpack(b, p.u);
+        if constexpr (T::QK == 32) {
+            p.d = p.u.d * (float)p.u.sc[0];
+            p.dmin = p.u.dmin * (float)p.u.mn[0];
+        } else {
+            p.d = p.u.d; p.dmin = p.u.dmin;
+            p.sc16 = _mm256_load_si256((const __m256i*)p.u.sc);
+            if constexpr (HAS_MIN) p.mn16 = _mm256_load_si256((const __m256i*)p.u.mn);
+        }
+    }
+    static inline __m256i chunk(const uint8_t*, const Prep& p, int c) { return _mm256_load_si256((const __m256i*)(p.u.q + 32 * c)); }
+};
+
+struct PrepK { float d, dmin; __m256i sc16, mn16; };
+struct Prep32 { float d, dmin; };
+
+static inline void prep_k4_scales(const uint8_t* s, PrepK& p) {  // Q4_K/Q5_K 12-byte 6-bit scales
+    uint32_t a = rd_u32(s), b = rd_u32(s + 4), c = rd_u32(s + 8);
+    uint32_t sc_lo = a & 0x3f3f3f3fu, mn_lo = b & 0x3f3f3f3fu;
+    uint32_t sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+    __m128i v = _mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo);
+    p.sc16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
+    p.mn16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+}
+
+template <> struct Hooks<FQ4_K> {
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    typedef PrepK Prep;
+    static inline void prep(const uint8_t* b, Prep& p) { prep_k4_scales(b + 4, p); p.d = f16c(b); p.dmin = f16c(b + 2); }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (c >> 1)));
+        if (c & 1) v = _mm256_srli_epi16(v, 4);
+        return _mm256_and_si256(v, _mm256_set1_epi8(15));
+    }
+};
+template <> struct Hooks<FQ5_K> {
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    typedef PrepK Prep;
+    static inline void prep(const uint8_t* b, Prep& p) { prep_k4_scales(b + 4, p); p.d = f16c(b); p.dmin = f16c(b + 2); }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(b + 48 + 32 * (c >> 1)));
+        if (c & 1) v = _mm256_srli_epi16(v, 4);
+        v = _mm256_and_si256(v, _mm256_set1_epi8(15));
+        __m256i h = _mm256_loadu_si256((const __m256i*)(b + 16));
+        h = c <= 4 ? _mm256_slli_epi16(h, 4 - c) : _mm256_srli_epi16(h, c - 4);
+        return _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(16)));
+    }
+};
+template <> struct Hooks<FQ6_K> {  // unsigned q6 with min 32*sc: no sign fix-up in the dot
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    typedef PrepK Prep;
+    static inline void prep(const uint8_t* b, Prep& p) {
+        p.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));
+        p.mn16 = p.sc16;
+        p.d = f16c(b + 208);
+        p.dmin = 32.f * p.d;
+    }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
+        const int h = c >> 2, k = c & 3;
+        __m256i lo = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (k & 1)));
+        if (k >= 2) lo = _mm256_srli_epi16(lo, 4);
+        lo = _mm256_and_si256(lo, _mm256_set1_epi8(15));
+        __m256i hb = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+        hb = k <= 2 ? _mm256_slli_epi16(hb, 4 - 2 * k) : _mm256_srli_epi16(hb, 2);
+        return _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+    }
+};
+template <> struct Hooks<FQ8_0> {
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    typedef Prep32 Prep;
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 0.f; }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
+};
+template <> struct Hooks<FQ4_0> {
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    typedef Prep32 Prep;
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 8.f * p.d; }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 2))); }
+};
+template <> struct Hooks<FQ5_0> {
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    typedef Prep32 Prep;
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 16.f * p.d; }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
+        return _mm256_or_si256(nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 6))), bits_to_bytes(rd_u32(b + 2), 16));
+    }
+};
+template <> struct Hooks<FIQ4_NL> {
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    typedef Prep32 Prep;
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 0.f; }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_iq4nl_));
+        return _mm256_shuffle_epi8(tab, nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 2))));
+    }
+};
+
+static const __m256i* hz_ones16() { static const int16_t o[16] __attribute__((aligned(32))) = {1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}; return (const __m256i*)o; }
+
+// Mat-vec for MR (1..4) activation rows: each weight block is unpacked once and dotted with
+// all MR rows. Rows n0..n1 of W.
+template <class T, int MR>
+static void matvec_tile(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t m0,
+                        float* y, int64_t ldy) {
+    typedef Hooks<T> H;
+    const int64_t K = a->K, nb = K / T::QK;
+    const int8_t* xq[MR]; const float* xd[MR]; const int16_t* xs[MR];
+    for (int m = 0; m < MR; ++m) {
+        xq[m] = a->q + (m0 + m) * K; xd[m] = a->d + (m0 + m) * nb; xs[m] = a->s + (m0 + m) * (K / 16);
+    }
+    const __m256i ones = _mm256_load_si256(hz_ones16());
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = W + n * rb;
+        __m256 acc[MR];
+        float accs[MR];
+        for (int m = 0; m < MR; ++m) { acc[m] = _mm256_setzero_ps(); accs[m] = 0.f; }
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = row + b * T::BYTES;
+            _mm_prefetch((const char*)(blk + 8 * T::BYTES), _MM_HINT_T0);
+            typename H::Prep p;
+            H::prep(blk, p);
+            if constexpr (T::QK == 32) {
+                __m256i q = H::chunk(blk, p, 0);
+                for (int m = 0; m < MR; ++m) {
+                    __m256i x = _mm256_loadu_si256((const __m256i*)(xq[m] + b * 32));
+                    __m256i is = dot_acc<H::SIGNED>(_mm256_setzero_si256(), q, x, ones);
+                    float dx = xd[m][b];
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(p.d * dx), acc[m]);
+                    if constexpr (H::HAS_MIN) accs[m] += p.dmin * dx * (float)(xs[m][2 * b] + xs[m][2 * b + 1]);
+                }
+            } else {
+                __m256i is[MR];
+                for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
+                for (int c = 0; c < T::QK / 32; ++c) {
+                    __m256i q = H::chunk(blk, p, c);
+                    __m256i s = scvec(p.sc16, c);
+                    for (int m = 0; m < MR; ++m)
+                        is[m] = dot_acc<H::SIGNED>(is[m], q, _mm256_loadu_si256((const __m256i*)(xq[m] + b * T::QK + 32 * c)), s);
+                }
+                for (int m = 0; m < MR; ++m) {
+                    float dx = xd[m][b];
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), _mm256_set1_ps(p.d * dx), acc[m]);
+                    if constexpr (H::HAS_MIN) {
+                        __m256i mm = _mm256_madd_epi16(p.mn16, _mm256_loadu_si256((const __m256i*)(xs[m] + b * 16)));
+                        acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(p.dmin * dx), acc[m]);
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < MR; ++m) y[(m0 + m) * ldy + n] = hsum8(acc[m]) - accs[m];
+    }
+}
+
+template <class T>
+static void matvec_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
+                        float* y, int64_t ldy) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4) matvec_tile<T, 4>(W, rb, n0, n1, a, m0, y, ldy);
+    switch (M - m0) {
+        case 3: matvec_tile<T, 3>(W, rb, n0, n1, a, m0, y, ldy); break;
+        case 2: matvec_tile<T, 2>(W, rb, n0, n1, a, m0, y, ldy); break;
+        case 1: matvec_tile<T, 1>(W, rb, n0, n1, a, m0, y, ldy); break;
+        default: break;
+    }
+}
+
+// GEMM: for a tile of NR weight rows and a K panel, unpack the weights ONCE into an
+// L1/L2-resident buffer (int8 values + pre-shuffled scale vectors), then sweep all activation
+// rows of an M block with an MR x NR register tile of int32 accumulators.
+#if HZ_ISA >= 2
+#define HZ_GEMM_MR 4
+#define HZ_GEMM_NR 2
+#else
+#define HZ_GEMM_MR 2
+#define HZ_GEMM_NR 2
+#endif
+static const int64_t HZ_KC = 2048;  // K panel (values): NR*KC bytes of weights stay in L1
+static const int64_t HZ_MC = 64;    // M block (rows): MC*KC activation bytes stay in L2
+
+template <class T>
+static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
+                      float* y, int64_t ldy) {
+    typedef Hooks<T> H;
+    constexpr int MR = HZ_GEMM_MR, NR = HZ_GEMM_NR, NC = T::QK / 32;
+    constexpr bool K256 = T::QK != 32;
+    const int64_t K = a->K, nb = K / T::QK;
+    const int64_t KB = hz_min<int64_t>(nb, HZ_KC / T::QK > 0 ? HZ_KC / T::QK : 1);
+    // per-thread scratch: NR rows x KB blocks
+    __m256i* qbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB * NC);
+    __m256i* sbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB * NC);
+    __m256i* mbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB);
+    float* dbuf = (float*)aligned_alloc(32, sizeof(float) * ((NR * KB * 2 + 7) / 8 * 8));
+    float* dmbuf = dbuf + NR * KB;
+    const __m256i ones = _mm256_load_si256(hz_ones16());
+    for (int64_t mc = 0; mc < M; mc += HZ_MC) {
+        const int64_t me = hz_min<int64_t>(M, mc + HZ_MC);
+        for (int64_t kp = 0; kp < nb; kp += KB) {
+            const int64_t kb = hz_min<int64_t>(KB, nb - kp);
+            for (int64_t nt = n0; nt < n1; nt += NR) {
+                const int nr = (int)hz_min<int64_t>(NR, n1 - nt);
+                for (int r = 0; r < NR; ++r) {
+                    const uint8_t* row = W + (nt + (r < nr ? r : nr - 1)) * rb + kp * T::BYTES;
+                    for (int64_t b = 0; b < kb; ++b) {
+                        const uint8_t* blk = row + b * T::BYTES;
+                        typename H::Prep p;
+                        H::prep(blk, p);
+                        for (int c = 0; c < NC; ++c) {
+                            qbuf[(r * KB + b) * NC + c] = H::chunk(blk, p, c);
+                            if constexpr (K256) sbuf[(r * KB + b) * NC + c] = scvec(p.sc16, c);
+                        }
+                        dbuf[r * KB + b] = p.d;
+                        dmbuf[r * KB + b] = p.dmin;
+                        if constexpr (K256 && H::HAS_MIN) mbuf[r * KB + b] = p.mn16;
+                    }
+                }
+                for (int64_t mt = mc; mt < me; mt += MR) {
+                    const int mr = (int)hz_min<int64_t>(MR, me - mt);
+                    const int8_t* xq[MR]; const float* xd[MR]; const int16_t* xs[MR];
+                    for (int m = 0; m < MR; ++m) {
+                        int64_t mm = mt + (m < mr ? m : mr - 1);
+                        xq[m] = a->q + mm * K + kp * T::QK; xd[m] = a->d + mm * nb + kp; xs[m] = a->s + mm * (K / 16) + kp * (T::QK / 16);
+                    }
+                    __m256 acc[MR][NR];
+                    float accs[MR][NR];
+                    for (int m = 0; m < MR; ++m)
+                        for (int r = 0; r < NR; ++r) { acc[m][r] = _mm256_setzero_ps(); accs[m][r] = 0.f; }
+                    for (int64_t b = 0; b < kb; ++b) {
+                        __m256i is[MR][NR];
+                        for (int m = 0; m < MR; ++m)
+                            for (int r = 0; r < NR; ++r) is[m][r] = _mm256_setzero_si256();
+                        for (int c = 0; c < NC; ++c) {
+                            __m256i x[MR];
+                            for (int m = 0; m < MR; ++m) x[m] = _mm256_loadu_si256((const __m256i*)(xq[m] + b * T::QK + 32 * c));
+                            for (int r = 0; r < NR; ++r) {
+                                __m256i q = qbuf[(r * KB + b) * NC + c];
+                                __m256i s = K256 ? sbuf[(r * KB + b) * NC + c] : ones;
+                                for (int m = 0; m < MR; ++m) is[m][r] = dot_acc<H::SIGNED>(is[m][r], q, x[m], s);
+                            }
+                        }
+                        for (int m = 0; m < MR; ++m) {
+                            const float dx = xd[m][b];
+                            for (int r = 0; r < NR; ++r) {
+                                acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m][r]), _mm256_set1_ps(dbuf[r * KB + b] * dx), acc[m][r]);
+                                if constexpr (H::HAS_MIN) {
+                                    if constexpr (K256) {
+                                        __m256i mm = _mm256_madd_epi16(mbuf[r * KB + b], _mm256_loadu_si256((const __m256i*)(xs[m] + b * 16)));
+                                        acc[m][r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(dmbuf[r * KB + b] * dx), acc[m][r]);
+                                    } else {
+                                        accs[m][r] += dmbuf[r * KB + b] * dx * (float)(xs[m][2 * b] + xs[m][2 * b + 1]);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    for (int m = 0; m < mr; ++m)
+                        for (int r = 0; r < nr; ++r) {
+                            float v = hsum8(acc[m][r]) - accs[m][r];
+                            float* dst = y + (mt + m) * ldy + nt + r;
+                            *dst = kp == 0 ? v : *dst + v;
+                        }
+                }
+            }
+        }
+    }
+    free(qbuf); free(sbuf); free(mbuf); free(dbuf);
+}
+
+static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s) {
+    const __m256 signbit = _mm256_set1_ps(-0.f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < K / qa; ++b) {
+            const float* xb = x + m * K + b * qa;
+            __m256 vmax = _mm256_setzero_ps();
+            for (int64_t i = 0; i < qa; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(signbit, _mm256_loadu_ps(xb + i)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float amax = _mm_cvtss_f32(h);
+            const float id = amax > 0.f ? 127.f / amax : 0.f;
+            d[m * (K / qa) + b] = amax / 127.f;
+            const __m256 vid = _mm256_set1_ps(id);
+            int8_t* qb = q + m * K + b * qa;
+            int16_t* sb = s + m * (K / 16) + b * (qa / 16);
+            for (int64_t i = 0; i < qa; i += 32) {
+                __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vid));
+                __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), vid));
+                __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 16), vid));
+                __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 24), vid));
+                sb[i / 16] = (int16_t)hsum8i(_mm256_add_epi32(i0, i1));
+                sb[i / 16 + 1] = (int16_t)hsum8i(_mm256_add_epi32(i2, i3));
+                __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+                _mm256_storeu_si256((__m256i*)(qb + i), _mm256_permutevar8x32_epi32(p, perm));
+            }
+        }
+}
+#endif  // HZ_ISA >= 1
+
+// ------------------------------------------------------------------------------ tables
+#if HZ_ISA >= 1
+#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matvec_simd<T>, &gemm_simd<T>, &dequant_row<T>},
+#define HZ_QUANT quantize_simd
+#else
+#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matmul_scalar<T>, &matmul_scalar<T>, &dequant_row<T>},
+#define HZ_QUANT quantize_scalar
+#endif
+static const HzFormatKernels hz_format_table[] = {HZ_FOR_EACH_FORMAT(HZ_ENTRY)};

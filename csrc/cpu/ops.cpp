@@ -1,0 +1,276 @@
+// Torch binding of the CPU kernels: argument checks, activation quantization, threading
+// (at::parallel_for over weight rows) and the per-ISA / per-format dispatch tables.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <string>
+#include <vector>
+
+#include "hz_api.h"
+
+extern "C" {
+const int8_t* hz_grid_iq2xxs = nullptr;
+const int8_t* hz_grid_iq2xs = nullptr;
+const int8_t* hz_grid_iq2s = nullptr;
+const int8_t* hz_grid_iq3xxs = nullptr;
+const int8_t* hz_grid_iq3s = nullptr;
+const int8_t* hz_grid_iq1s = nullptr;
+}
+
+namespace {
+
+std::vector<torch::Tensor> g_grids;  // keeps the grid tables alive
+
+// ISA levels: 0 scalar, 1 avx2 (+fma+f16c), 2 avx512 (vl, bw, vnni).
+bool isa_supported(int64_t level) {
+    __builtin_cpu_init();
+    switch (level) {
+        case 0: return true;
+        case 1: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        case 2:
+            return isa_supported(1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+        default: return false;
+    }
+}
+
+const HzIsa* isa_table(int64_t level) {
+    TORCH_CHECK(level >= 0 && level <= 2, "hanzo cpu: unknown ISA level ", level, " (0 scalar, 1 avx2, 2 avx512)");
+    TORCH_CHECK(isa_supported(level), "hanzo cpu: this CPU does not support ISA level ", level);
+    return level == 2 ? hz_isa_avx512() : level == 1 ? hz_isa_avx2() : hz_isa_scalar();
+}
+
+const HzFormatKernels& format_kernels(const HzIsa* isa, int64_t type_id) {
+    for (int i = 0; i < isa->n_formats; ++i)
+        if (isa->formats[i].type_id == type_id) return isa->formats[i];
+    TORCH_CHECK(false, "hanzo cpu: no kernel for ggml type id ", type_id);
+}
+
+void check_grid(int64_t type_id) {
+    const int8_t* g = nullptr;
+    switch (type_id) {
+        case 16: g = hz_grid_iq2xxs; break;
+        case 17: g = hz_grid_iq2xs; break;
+        case 22: g = hz_grid_iq2s; break;
+        case 18: g = hz_grid_iq3xxs; break;
+        case 21: g = hz_grid_iq3s; break;
+        case 19: case 29: g = hz_grid_iq1s; break;
+        default: return;
+    }
+    TORCH_CHECK(g != nullptr, "hanzo cpu: grid table for ggml type ", type_id, " not set (call set_grid)");
+}
+
+struct QuantAct {
+    torch::Tensor q, d, s;
+    HzAct view;
+};
+
+QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
+    const int64_t M = x2.size(0), K = x2.size(1);
+    QuantAct r;
+    r.q = torch::empty({M, K}, torch::kInt8);
+    r.d = torch::empty({M, K / qa}, torch::kFloat32);
+    r.s = torch::empty({M, K / 16}, torch::kInt16);
+    const float* x = x2.data_ptr<float>();
+    int8_t* q = r.q.data_ptr<int8_t>();
+    float* d = r.d.data_ptr<float>();
+    int16_t* s = r.s.data_ptr<int16_t>();
+    auto fn = isa->quantize;
+    auto body = [&](int64_t m0, int64_t m1) {
+        fn(x + m0 * K, m1 - m0, K, qa, q + m0 * K, d + m0 * (K / qa), s + m0 * (K / 16));
+    };
+    if (M * K >= 65536) at::parallel_for(0, M, 1, body); else body(0, M);
+    r.view = HzAct{q, d, s, K, qa};
+    return r;
+}
+
+// Rows of W are split over threads; each call handles all M activation rows.
+void run_matmul(const HzFormatKernels& fk, const uint8_t* W, int64_t rb, int64_t N, const HzAct& a, int64_t M,
+                float* y, int64_t ldy, int64_t mv_max) {
+    const bool mv = M <= mv_max;
+    hz_matmul_fn fn = mv ? fk.matvec : fk.gemm;
+    const int64_t tile = mv ? 1 : 2;  // gemm works on pairs of rows (NR)
+    const int64_t ntiles = (N + tile - 1) / tile;
+    // Grain: at least ~64 KiB of weights per task so small ops do not pay thread wake-ups.
+    const int64_t grain = std::max<int64_t>(1, (65536 / std::max<int64_t>(rb, 1)) / tile);
+    at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+        fn(W, rb, t0 * tile, std::min(N, t1 * tile), &a, M, y, ldy);
+    });
+}
+
+torch::Tensor check_x(const torch::Tensor& x, int64_t K_expected, const char* op) {
+    TORCH_CHECK(x.device().is_cpu(), op, ": x must be a CPU tensor");
+    TORCH_CHECK(x.is_floating_point(), op, ": x must be floating point, got ", x.scalar_type());
+    TORCH_CHECK(x.size(-1) == K_expected, op, ": x has ", x.size(-1), " features, the weight has ", K_expected);
+    return x.to(torch::kFloat32).contiguous();
+}
+
+int64_t infer_k(const HzFormatKernels& fk, int64_t rb, const char* op) {
+    TORCH_CHECK(rb % fk.bytes == 0, op, ": weight rows of ", rb, " bytes are not a whole number of ", fk.bytes,
+                "-byte blocks");
+    return rb / fk.bytes * fk.qk;
+}
+
+// x [M, K] float, w uint8 [N, rb] -> [M, N] float32
+torch::Tensor mul_mat(torch::Tensor x, torch::Tensor w, int64_t type_id, int64_t isa_level, int64_t mv_max) {
+    const HzIsa* isa = isa_table(isa_level);
+    const HzFormatKernels& fk = format_kernels(isa, type_id);
+    check_grid(type_id);
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2,
+                "mul_mat: w must be a 2-D uint8 CPU tensor, got ", w.scalar_type(), " with ", w.dim(), " dims");
+    TORCH_CHECK(x.dim() == 2, "mul_mat: x must be 2-D here");
+    w = w.contiguous();
+    const int64_t N = w.size(0), rb = w.size(1), K = infer_k(fk, rb, "mul_mat");
+    torch::Tensor xf = check_x(x, K, "mul_mat");
+    const int64_t M = xf.size(0);
+    torch::Tensor y = torch::empty({M, N}, torch::kFloat32);
+    if (M == 0 || N == 0) return y;
+    if (K == 0) return y.zero_();
+    QuantAct qa = quantize_act(isa, xf, fk.qk);
+    run_matmul(fk, w.data_ptr<uint8_t>(), rb, N, qa.view, M, y.data_ptr<float>(), N, mv_max);
+    return y;
+}
+
+// x [T, kx, K] (kx == 1 broadcasts over the k slots), w uint8 [E, N, rb], ids int64 [T, k] -> [T, k, N]
+torch::Tensor mul_mat_id(torch::Tensor x, torch::Tensor w, torch::Tensor ids, int64_t type_id, int64_t isa_level,
+                         int64_t mv_max) {
+    const HzIsa* isa = isa_table(isa_level);
+    const HzFormatKernels& fk = format_kernels(isa, type_id);
+    check_grid(type_id);
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 3,
+                "mul_mat_id: w must be a 3-D uint8 CPU tensor [E, N, row_bytes]");
+    TORCH_CHECK(ids.dim() == 2, "mul_mat_id: ids must be [T, k]");
+    TORCH_CHECK(x.dim() == 3, "mul_mat_id: x must be [T, 1 or k, K] here");
+    w = w.contiguous();
+    const int64_t E = w.size(0), N = w.size(1), rb = w.size(2), K = infer_k(fk, rb, "mul_mat_id");
+    const int64_t T = ids.size(0), k = ids.size(1), kx = x.size(1);
+    TORCH_CHECK(x.size(0) == T && (kx == 1 || kx == k), "mul_mat_id: x ", x.sizes(), " does not match ids ", ids.sizes());
+    torch::Tensor xf = check_x(x, K, "mul_mat_id").reshape({T * kx, K});
+    torch::Tensor id64 = ids.to(torch::kInt64).contiguous();
+    const int64_t* idp = id64.data_ptr<int64_t>();
+    for (int64_t i = 0; i < T * k; ++i)
+        TORCH_CHECK(idp[i] >= 0 && idp[i] < E, "mul_mat_id: expert id ", idp[i], " out of range [0, ", E, ")");
+    torch::Tensor out = torch::empty({T, k, N}, torch::kFloat32);
+    if (T * k == 0 || N == 0) return out;
+    if (K == 0) return out.zero_();
+    QuantAct qa = quantize_act(isa, xf, fk.qk);
+    const int64_t nbq = K / fk.qk;
+    // Group (token, slot) pairs by expert; each expert's weight is streamed once for its rows.
+    std::vector<std::vector<int64_t>> rows(E);
+    for (int64_t i = 0; i < T * k; ++i) rows[idp[i]].push_back(i);
+    float* o = out.data_ptr<float>();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    for (int64_t e = 0; e < E; ++e) {
+        const auto& r = rows[e];
+        if (r.empty()) continue;
+        const int64_t c = (int64_t)r.size();
+        torch::Tensor gq = torch::empty({c, K}, torch::kInt8), gd = torch::empty({c, nbq}, torch::kFloat32),
+                      gs = torch::empty({c, K / 16}, torch::kInt16), gy = torch::empty({c, N}, torch::kFloat32);
+        for (int64_t j = 0; j < c; ++j) {
+            const int64_t src = kx == 1 ? r[j] / k : r[j];
+            memcpy(gq.data_ptr<int8_t>() + j * K, qa.view.q + src * K, K);
+            memcpy(gd.data_ptr<float>() + j * nbq, qa.view.d + src * nbq, nbq * sizeof(float));
+            memcpy(gs.data_ptr<int16_t>() + j * (K / 16), qa.view.s + src * (K / 16), (K / 16) * sizeof(int16_t));
+        }
+        HzAct ga{gq.data_ptr<int8_t>(), gd.data_ptr<float>(), gs.data_ptr<int16_t>(), K, fk.qk};
+        run_matmul(fk, wp + e * N * rb, rb, N, ga, c, gy.data_ptr<float>(), N, mv_max);
+        for (int64_t j = 0; j < c; ++j) memcpy(o + r[j] * N, gy.data_ptr<float>() + j * N, N * sizeof(float));
+    }
+    return out;
+}
+
+// w uint8 [V, rb], ids int [n] -> float32 [n, K]
+torch::Tensor get_rows(torch::Tensor w, torch::Tensor ids, int64_t type_id, int64_t isa_level) {
+    const HzIsa* isa = isa_table(isa_level);
+    const HzFormatKernels& fk = format_kernels(isa, type_id);
+    check_grid(type_id);
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2,
+                "get_rows: w must be a 2-D uint8 CPU tensor [V, row_bytes]");
+    w = w.contiguous();
+    const int64_t V = w.size(0), rb = w.size(1), K = infer_k(fk, rb, "get_rows");
+    torch::Tensor id64 = ids.to(torch::kInt64).contiguous().reshape({-1});
+    const int64_t n = id64.numel();
+    const int64_t* idp = id64.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+        TORCH_CHECK(idp[i] >= 0 && idp[i] < V, "get_rows: row id ", idp[i], " out of range [0, ", V, ")");
+    torch::Tensor out = torch::empty({n, K}, torch::kFloat32);
+    float* o = out.data_ptr<float>();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    auto fn = fk.dequant_row;
+    at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) fn(wp + idp[i] * rb, K, o + i * K);
+    });
+    return out;
+}
+
+// Packed rows -> float32 [N, K] (whole-weight dequantization, for diagnostics and the float path).
+torch::Tensor dequantize_rows(torch::Tensor w, int64_t type_id, int64_t isa_level) {
+    const HzIsa* isa = isa_table(isa_level);
+    const HzFormatKernels& fk = format_kernels(isa, type_id);
+    check_grid(type_id);
+    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2, "dequantize_rows: w must be 2-D uint8");
+    w = w.contiguous();
+    const int64_t N = w.size(0), rb = w.size(1), K = infer_k(fk, rb, "dequantize_rows");
+    torch::Tensor out = torch::empty({N, K}, torch::kFloat32);
+    float* o = out.data_ptr<float>();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    auto fn = fk.dequant_row;
+    at::parallel_for(0, N, 16, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) fn(wp + i * rb, K, o + i * K);
+    });
+    return out;
+}
+
+// The activation quantization alone (for tests): x [M, K] -> (q int8 [M,K], d f32 [M,K/qa], s int16 [M,K/16])
+std::vector<torch::Tensor> quantize_activation(torch::Tensor x, int64_t qa, int64_t isa_level) {
+    const HzIsa* isa = isa_table(isa_level);
+    TORCH_CHECK(qa == 32 || qa == 256, "quantize_activation: qa must be 32 or 256");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % qa == 0, "quantize_activation: x must be [M, K] with K % qa == 0");
+    torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+    QuantAct r = quantize_act(isa, xf, qa);
+    return {r.q, r.d, r.s};
+}
+
+void set_grid(int64_t type_id, torch::Tensor grid) {
+    TORCH_CHECK(grid.scalar_type() == torch::kInt8 && grid.dim() == 2, "set_grid: grid must be 2-D int8");
+    grid = grid.contiguous();
+    g_grids.push_back(grid);
+    const int8_t* p = grid.data_ptr<int8_t>();
+    switch (type_id) {
+        case 16: hz_grid_iq2xxs = p; break;
+        case 17: hz_grid_iq2xs = p; break;
+        case 22: hz_grid_iq2s = p; break;
+        case 18: hz_grid_iq3xxs = p; break;
+        case 21: hz_grid_iq3s = p; break;
+        case 19: hz_grid_iq1s = p; break;
+        default: TORCH_CHECK(false, "set_grid: ggml type ", type_id, " has no grid");
+    }
+}
+
+std::vector<int64_t> supported_isas() {
+    std::vector<int64_t> r;
+    for (int64_t l = 0; l <= 2; ++l)
+        if (isa_supported(l)) r.push_back(l);
+    return r;
+}
+
+std::vector<std::vector<int64_t>> formats() {  // (type_id, block size, block bytes)
+    std::vector<std::vector<int64_t>> r;
+    const HzIsa* isa = hz_isa_scalar();
+    for (int i = 0; i < isa->n_formats; ++i) r.push_back({isa->formats[i].type_id, isa->formats[i].qk, isa->formats[i].bytes});
+    return r;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "hanzo-torch CPU kernels (int8 dot products over ggml block formats)";
+    m.def("mul_mat", &mul_mat, "x [M,K] @ W[N,K]^T -> [M,N] f32");
+    m.def("mul_mat_id", &mul_mat_id, "indexed (MoE) mul_mat -> [T,k,N] f32");
+    m.def("get_rows", &get_rows, "rows of a packed weight -> [n,K] f32");
+    m.def("dequantize_rows", &dequantize_rows, "packed [N,rb] -> [N,K] f32");
+    m.def("quantize_activation", &quantize_activation, "x [M,K] -> int8 blocks (q, d, sums per 16)");
+    m.def("set_grid", &set_grid, "install an i-quant codebook grid");
+    m.def("supported_isas", &supported_isas, "ISA levels this CPU runs: 0 scalar, 1 avx2, 2 avx512");
+    m.def("formats", &formats, "(ggml type id, block size, block bytes) of every format");
+}

@@ -1,0 +1,247 @@
+"""C++ CPU kernels for the quantized ``hanzo`` ops (``csrc/cpu/``).
+
+Importing this package only registers the kernels with :mod:`hanzo_torch.ops._common` (cheap);
+the extension is compiled on the FIRST call of a kernel with ``torch.utils.cpp_extension.load``
+(ninja, about 1-2 minutes on 2 cores) and cached in ``~/.cache/hanzo-torch/ext/<hash>`` keyed by
+a hash of the sources, the torch version and the compiler, so later processes load it in well
+under a second. ``python -m hanzo_torch.ops.cpu`` builds it ahead of time.
+
+If no compiler is available or the build fails, one warning is issued and the vectorized-torch
+references run instead (the answers are the same up to the documented tolerance).
+
+Kernels (one generic C++ body per contraction, instantiated per format trait and per ISA):
+    ``mul_mat``     x is quantized once per op to int8 blocks (scale per weight block size:
+                    32 values, or 256 for K-quant style formats; int16 sums per 16), then integer
+                    dot products against the weight's unpacked integers. Small M (decode) reads
+                    each weight block once per 4 rows; large M (prefill) unpacks weight tiles once
+                    into an L1 buffer and runs a register-blocked int8 tile.
+    ``mul_mat_id``  the same, per expert, on the rows routed to it (tokens grouped by expert).
+    ``get_rows``    per-row dequantization (float32, then cast).
+Instruction sets, chosen at run time from the CPU: ``avx512`` (AVX-512 VL/BW + VNNI),
+``avx2`` (AVX2 + FMA + F16C), ``scalar`` (portable C++). ``HANZO_CPU_ISA=scalar|avx2|avx512``
+forces one (for tests and A/B); ``HANZO_MUL_MAT_FALLBACK=1`` etc. select the torch reference.
+
+Accuracy: the activation quantization is the only approximation. For one output,
+``|y - x @ w| <= sum_k |w_k| * d_k / 2`` plus float32 rounding, where ``d_k`` is the int8
+scale (block max / 127) of the block holding ``x_k`` (see tests/test_cpu_kernels.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .. import _common
+
+__all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
+           "mul_mat", "mul_mat_id", "get_rows", "build"]
+
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+_ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
+
+SUPPORTED_QTYPES = (
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS",
+    "TQ1_0", "TQ2_0", "MXFP4",
+)
+"""The 22 quantized formats with a C++ kernel (dense F32/F16/BF16 weights use torch GEMMs)."""
+
+MV_MAX_ROWS = 8
+"""mul_mat uses the mat-vec kernel up to this many activation rows and the tiled GEMM above it
+(measured on 2-core AMD EPYC Zen 3, Q4_K 1536x8960: see benchmarks/RESULTS.md)."""
+
+_GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S")
+
+_SRC_DIR = Path(__file__).resolve().parents[3] / "csrc" / "cpu"
+_SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
+_HEADERS = ("hz_api.h", "formats.h", "kernels.h")
+
+_lock = threading.Lock()
+_ext = None
+_failed: Optional[str] = None
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("HANZO_TORCH_CACHE", Path.home() / ".cache" / "hanzo-torch")) / "ext"
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        h.update(name.encode())
+        h.update((_SRC_DIR / name).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(os.environ.get("CXX", "c++").encode())
+    return h.hexdigest()[:16]
+
+
+def _install_grids(ext) -> None:
+    import gguf
+    import gguf.quants as gq
+    import numpy as np
+
+    for name in _GRID_TYPES:
+        cls = getattr(gq, name)
+        cls.init_grid()
+        grid = np.asarray(cls.grid).reshape(cls.grid_shape)
+        ext.set_grid(int(gguf.GGMLQuantizationType[name]), torch.from_numpy(grid.astype(np.int8)))
+
+
+def _check_layouts(ext) -> None:
+    import gguf
+
+    for tid, qk, nbytes in ext.formats():
+        t = gguf.GGMLQuantizationType(tid)
+        if tuple(gguf.GGML_QUANT_SIZES[t]) != (qk, nbytes):
+            raise RuntimeError(f"csrc/cpu block size of {t.name} is {(qk, nbytes)}, gguf says {gguf.GGML_QUANT_SIZES[t]}")
+
+
+def build(verbose: bool = False):
+    """Compile (or load from the cache) the extension now and return it.
+
+    Raises:
+        RuntimeError: the build failed (the message holds the compiler's reason).
+    """
+    global _ext, _failed
+    with _lock:
+        if _ext is not None:
+            return _ext
+        from torch.utils.cpp_extension import load
+
+        key = _source_hash()
+        build_dir = _cache_root() / key
+        build_dir.mkdir(parents=True, exist_ok=True)
+        ext = load(
+            name=f"hanzo_cpu_{key}",
+            sources=[str(_SRC_DIR / s) for s in _SOURCES],
+            extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+        _check_layouts(ext)
+        _install_grids(ext)
+        _ext = ext
+        _failed = None
+        return ext
+
+
+def extension():
+    """The compiled extension, building it on first use; None (after one warning) if it cannot be built."""
+    global _failed
+    if _ext is not None:
+        return _ext
+    if _failed is not None:
+        return None
+    try:
+        return build()
+    except Exception as e:  # no compiler, failed build, unsupported platform
+        _failed = f"{type(e).__name__}: {e}"
+        warnings.warn(
+            f"hanzo_torch: the C++ CPU kernels could not be built ({_failed.splitlines()[0][:300]}); "
+            "the torch reference implementations will be used (slower).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def available() -> bool:
+    """True when the extension is (or can be) built."""
+    return extension() is not None
+
+
+def isa_levels() -> list[str]:
+    """Names of the instruction sets this CPU can run, e.g. ``["scalar", "avx2"]``."""
+    ext = extension()
+    return [ISA_NAMES[i] for i in ext.supported_isas()] if ext is not None else []
+
+
+def default_isa() -> int:
+    """The ISA level used by default: ``HANZO_CPU_ISA`` if set, else the best this CPU runs."""
+    ext = extension()
+    forced = os.environ.get("HANZO_CPU_ISA", "").strip().lower()
+    levels = ext.supported_isas()
+    if forced:
+        if forced not in _ISA_BY_NAME:
+            raise ValueError(f"HANZO_CPU_ISA={forced!r}: expected one of {', '.join(_ISA_BY_NAME)}")
+        level = _ISA_BY_NAME[forced]
+        if level not in levels:
+            raise ValueError(f"HANZO_CPU_ISA={forced!r}: this CPU supports only {[ISA_NAMES[i] for i in levels]}")
+        return level
+    return max(levels)
+
+
+def _isa(isa) -> int:
+    if isa is None:
+        return default_isa()
+    if isinstance(isa, str):
+        if isa not in _ISA_BY_NAME:
+            raise ValueError(f"unknown ISA {isa!r}: expected one of {', '.join(_ISA_BY_NAME)}")
+        return _ISA_BY_NAME[isa]
+    return int(isa)
+
+
+def _type_id(qtype: str) -> int:
+    from ...formats import get_format
+
+    return get_format(qtype).type_id
+
+
+def _reference(name: str):
+    from .. import quant
+
+    return getattr(quant, f"{name}_reference")
+
+
+def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str, *, isa=None, mv_max_rows: Optional[int] = None) -> torch.Tensor:
+    """``x [..., K] @ W^T -> [..., N]`` in ``x.dtype`` with ``W`` = ``w`` (uint8 ``[N, row_bytes]``) packed as ``qtype``.
+
+    ``isa``: None (best for this CPU / ``HANZO_CPU_ISA``), ``"scalar"``, ``"avx2"`` or ``"avx512"``.
+    ``mv_max_rows``: activation rows up to which the mat-vec kernel runs (default :data:`MV_MAX_ROWS`).
+    Raises RuntimeError (from the C++ checks) on mismatched shapes or an unsupported ISA.
+    """
+    ext = extension()
+    if ext is None:
+        return _reference("mul_mat")(x, w, qtype)
+    K = x.shape[-1]
+    y = ext.mul_mat(x.reshape(-1, K), w, _type_id(qtype), _isa(isa),
+                    MV_MAX_ROWS if mv_max_rows is None else int(mv_max_rows))
+    return y.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
+
+
+def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str, *, isa=None,
+               mv_max_rows: Optional[int] = None) -> torch.Tensor:
+    """Indexed mul_mat: ``x [T, K] | [T, k, K]``, ``w uint8 [E, N, row_bytes]``, ``ids int [T, k]`` -> ``[T, k, N]``."""
+    ext = extension()
+    if ext is None:
+        return _reference("mul_mat_id")(x, w, ids, qtype)
+    x3 = x.unsqueeze(1) if x.dim() == 2 else x
+    y = ext.mul_mat_id(x3, w, ids, _type_id(qtype), _isa(isa),
+                       MV_MAX_ROWS if mv_max_rows is None else int(mv_max_rows))
+    return y.to(x.dtype)
+
+
+def get_rows(w: torch.Tensor, ids: torch.Tensor, qtype: str, dtype: torch.dtype, *, isa=None) -> torch.Tensor:
+    """Rows ``ids [...]`` of the packed table ``w uint8 [V, row_bytes]`` -> ``dtype [..., H]``."""
+    ext = extension()
+    if ext is None:
+        return _reference("get_rows")(w, ids, qtype, dtype)
+    rows = ext.get_rows(w, ids.reshape(-1), _type_id(qtype), _isa(isa))
+    return rows.reshape(*ids.shape, rows.shape[-1]).to(dtype)
+
+
+def _register() -> None:
+    if not _SRC_DIR.is_dir():  # installed without the C++ sources: nothing to register
+        return
+    _common.register_kernel("mul_mat", "cpu", mul_mat, qtypes=SUPPORTED_QTYPES)
+    _common.register_kernel("mul_mat_id", "cpu", mul_mat_id, qtypes=SUPPORTED_QTYPES)
+    _common.register_kernel("get_rows", "cpu", get_rows, qtypes=SUPPORTED_QTYPES)
+
+
+_register()

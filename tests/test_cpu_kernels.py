@@ -1,0 +1,233 @@
+"""C++ CPU kernels (csrc/cpu, hanzo_torch.ops.cpu) against gguf dequantization and the torch references.
+
+Tolerances (why they are what they are):
+- dequantization / get_rows: bit-exact with ``gguf.quants.dequantize`` (same float expression).
+- mul_mat / mul_mat_id, TIGHT oracle: the kernels quantize x to int8 blocks (``xq * d``) and then
+  compute exactly ``(xq * d) @ W^T`` up to float32 rounding of per-block partial sums. Against that
+  product (float64) the error is <= 1e-5 * (|xq*d| @ |W|^T) (measured <= 2e-7); a wrong nibble, scale or
+  sign gives errors of 1e-2..1 of that scale, i.e. >= 1000x the tolerance
+  (test_a_real_bug_exceeds_the_tolerance shows one).
+- mul_mat against the float reference ``x @ W^T``: the int8 activation quantization error bound
+  ``|y - x@W^T| <= (|W| @ (d/2)) + rounding``, with d the block scale (max|x_block|/127) of each x.
+"""
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import hanzo_torch  # noqa: F401  (registers the ops)
+from hanzo_torch.ops import cpu as hcpu
+from hanzo_torch.ops import quant
+
+QTYPES = hcpu.SUPPORTED_QTYPES
+GT = gguf.GGMLQuantizationType
+
+# Byte offsets of the fp16 scale fields per block (random bytes there could be inf/nan).
+_F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,),
+    "IQ3_S": (0,), "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
+}
+
+
+@pytest.fixture(scope="module")
+def ext():
+    e = hcpu.extension()
+    assert e is not None, "the C++ CPU extension failed to build (see the warning above)"
+    return e
+
+
+def ISAS():
+    e = hcpu.extension()
+    return [hcpu.ISA_NAMES[i] for i in e.supported_isas()] if e is not None else ["scalar"]
+
+
+def random_blocks(qtype: str, n_rows: int, K: int, seed: int) -> torch.Tensor:
+    """Random packed rows: every bit pattern random except fp16 scales (finite, ~1e-2) and e8m0 exponents."""
+    rng = np.random.default_rng(seed)
+    bs, ts = gguf.GGML_QUANT_SIZES[GT[qtype]]
+    nb = n_rows * K // bs
+    b = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
+    half = lambda n: (rng.uniform(0.5, 2.0, n) * 1e-2 * rng.choice([-1, 1], n)).astype(np.float16).view(np.uint8).reshape(n, 2)
+    for off in _F16_FIELDS.get(qtype, ()):
+        b[:, off:off + 2] = half(nb)
+    if qtype == "MXFP4":
+        b[:, 0] = rng.integers(118, 124, nb)
+    if qtype == "IQ1_M":  # the fp16 d is spread over the top nibbles of the 4 scale words
+        d = half(nb).view(np.uint16).reshape(nb)
+        sc = b[:, 48:56].copy().view(np.uint16) & 0x0FFF
+        for i in range(4):
+            sc[:, i] |= ((d >> (4 * i)) & 0xF).astype(np.uint16) << 12
+        b[:, 48:56] = sc.view(np.uint8)
+    return torch.from_numpy(b.reshape(n_rows, -1))
+
+
+def gguf_dequant(qtype, w, K):
+    return torch.from_numpy(gguf.quants.dequantize(w.numpy(), GT[qtype]).reshape(w.shape[0], K).astype(np.float32))
+
+
+def qa_of(qtype):  # activation block size the kernels use for this format
+    return gguf.GGML_QUANT_SIZES[GT[qtype]][0]
+
+
+def act_dequant(ext, x, qa):
+    q, d, _ = ext.quantize_activation(x, qa, 0)
+    return (q.double().reshape(x.shape[0], -1, qa) * d.double().unsqueeze(-1)).reshape(x.shape)
+
+
+def assert_tight(y, x_hat, wf, what):
+    """|y - x_hat @ W^T| <= 1e-5 * (|x_hat| @ |W|^T) + 1e-30, elementwise (float64 oracle)."""
+    ref = x_hat @ wf.double().T
+    scale = x_hat.abs() @ wf.double().abs().T
+    err = (y.double() - ref).abs()
+    bad = err > 1e-5 * scale + 1e-30
+    assert not bad.any(), f"{what}: max err {err.max():.3e}, err/scale {(err / (scale + 1e-30)).max():.3e}"
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_rows_bit_exact_vs_gguf(ext, qtype):
+    K = 512
+    w = random_blocks(qtype, 5, K, seed=1)
+    ref = gguf_dequant(qtype, w, K)
+    for isa in ISAS():
+        out = ext.dequantize_rows(w, int(GT[qtype]), hcpu._ISA_BY_NAME[isa])
+        assert torch.equal(out, ref), f"{qtype}/{isa}: max diff {(out - ref).abs().max()}"
+
+
+@pytest.mark.parametrize("qa", [32, 256])
+def test_activation_quantization(ext, qa):
+    x = torch.randn(3, 1024) * torch.logspace(-3, 3, 3).unsqueeze(1)
+    x[1, :qa] = 0.0  # an all-zero block
+    outs = [ext.quantize_activation(x, qa, hcpu._ISA_BY_NAME[i]) for i in ISAS()]
+    q, d, s = outs[0]
+    for q2, d2, s2 in outs[1:]:  # every ISA quantizes bit-identically
+        assert torch.equal(q, q2) and torch.equal(d, d2) and torch.equal(s, s2)
+    xb = x.reshape(3, -1, qa)
+    assert torch.equal(d, xb.abs().amax(-1) / 127)
+    err = (q.float().reshape(3, -1, qa) * d.unsqueeze(-1) - xb).abs()
+    assert (err <= d.unsqueeze(-1) * 0.5 * (1 + 1e-5)).all()
+    assert torch.equal(s.int(), q.reshape(3, -1, 16).int().sum(-1))
+    assert (q[1, :qa] == 0).all() and d[1, 0] == 0
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_mul_mat_all_paths(ext, qtype):
+    """Decode (mat-vec, M=1..5) and prefill (tiled GEMM, ragged M and N) on every ISA."""
+    bs = qa_of(qtype)
+    K = 2304 if bs == 256 else 2112  # > one 2048-value K panel of the GEMM
+    N = 7
+    w = random_blocks(qtype, N, K, seed=2)
+    wf = gguf_dequant(qtype, w, K)
+    x = torch.randn(11, K)
+    x_hat = act_dequant(ext, x, bs)
+    for isa in ISAS():
+        for M, mv in ((1, 8), (5, 8), (11, 8), (11, 0)):  # (11, 8) and (11, 0): GEMM with M % MR != 0
+            y = hcpu.mul_mat(x[:M], w, qtype, isa=isa, mv_max_rows=mv)
+            assert_tight(y, x_hat[:M], wf, f"{qtype}/{isa}/M={M}/mv<={mv}")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ2_XXS"])
+def test_mul_mat_vs_torch_reference_within_activation_bound(ext, qtype):
+    K, N = 512, 16
+    w = random_blocks(qtype, N, K, seed=3)
+    wf = gguf_dequant(qtype, w, K).double()
+    x = torch.randn(3, K, dtype=torch.float32)
+    bs = qa_of(qtype)
+    _, d, _ = ext.quantize_activation(x, bs, 0)
+    half_step = (d.double() / 2).repeat_interleave(bs, dim=1)  # [M, K]
+    bound = half_step @ wf.abs().T * (1 + 1e-4) + 1e-5 * (x.double().abs() @ wf.abs().T)
+    ref = quant.mul_mat_reference(x, w, qtype).double()
+    y = hcpu.mul_mat(x, w, qtype).double()
+    assert ((y - ref).abs() <= bound).all()
+    assert (y - ref).abs().max() > 0  # the int8 path really ran (not the reference)
+
+
+def test_a_real_bug_exceeds_the_tolerance(ext):
+    """One corrupted nibble of one Q4_K block: the error is >= 100x the tight tolerance."""
+    K, N = 512, 4
+    w = random_blocks("Q4_K", N, K, seed=4)
+    wf = gguf_dequant("Q4_K", w, K).double()
+    x = torch.randn(1, K)
+    x_hat = act_dequant(ext, x, 256)
+    bad = w.clone()
+    bad[0, 16 + 5] ^= 0x0F  # a 4-bit weight flipped, as an unpack bug would do
+    y = hcpu.mul_mat(x, bad, "Q4_K").double()
+    ref = x_hat @ wf.T
+    tol = 1e-5 * (x_hat.abs() @ wf.abs().T)
+    assert (y[0, 0] - ref[0, 0]).abs() >= 100 * tol[0, 0]
+    assert_tight(y[:, 1:], x_hat, wf[1:], "untouched rows")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "IQ4_XS"])
+def test_mul_mat_id(ext, qtype):
+    E, N, K, T, k = 4, 6, 512, 5, 2
+    w = torch.stack([random_blocks(qtype, N, K, seed=10 + e) for e in range(E)])
+    wf = torch.stack([gguf_dequant(qtype, w[e], K) for e in range(E)])
+    ids = torch.tensor([[0, 3], [3, 1], [2, 2], [1, 0], [3, 3]])
+    bs = qa_of(qtype)
+    for x in (torch.randn(T, K), torch.randn(T, k, K)):
+        xs = x.unsqueeze(1).expand(T, k, K) if x.dim() == 2 else x
+        x_hat = act_dequant(ext, xs.reshape(T * k, K), bs).reshape(T, k, K)
+        for isa in ISAS():
+            for mv in (8, 0):
+                y = hcpu.mul_mat_id(x, w, ids, qtype, isa=isa, mv_max_rows=mv)
+                assert y.shape == (T, k, N)
+                for t in range(T):
+                    for j in range(k):
+                        assert_tight(y[t, j:j + 1], x_hat[t, j:j + 1], wf[ids[t, j]], f"{qtype}/{isa} t={t} j={j}")
+    with pytest.raises(RuntimeError, match="out of range"):
+        hcpu.mul_mat_id(torch.randn(T, K), w, ids + 4, qtype)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_get_rows(ext, qtype):
+    K = 512
+    w = random_blocks(qtype, 9, K, seed=5)
+    ids = torch.tensor([[8, 0, 3], [3, 3, 1]])
+    ref = gguf_dequant(qtype, w, K)[ids]
+    for isa in ISAS():
+        out = hcpu.get_rows(w, ids, qtype, torch.float32, isa=isa)
+        assert torch.equal(out, ref), qtype
+    assert hcpu.get_rows(w, ids, qtype, torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="out of range"):
+        hcpu.get_rows(w, torch.tensor([9]), qtype, torch.float32)
+
+
+def test_bad_inputs_raise_clear_errors(ext):
+    w = random_blocks("Q4_K", 4, 256, seed=6)
+    with pytest.raises(RuntimeError, match="features"):
+        ext.mul_mat(torch.randn(1, 512), w, int(GT.Q4_K), 0, 8)
+    with pytest.raises(RuntimeError, match="whole number"):
+        ext.mul_mat(torch.randn(1, 256), w[:, :100], int(GT.Q4_K), 0, 8)
+    with pytest.raises(RuntimeError, match="uint8"):
+        ext.mul_mat(torch.randn(1, 256), w.float(), int(GT.Q4_K), 0, 8)
+    with pytest.raises(ValueError, match="unknown ISA"):
+        hcpu.mul_mat(torch.randn(1, 256), w, "Q4_K", isa="neon")
+
+
+def test_ops_dispatch_and_fallback_ab(ext, monkeypatch):
+    """torch.ops.hanzo.* run the C++ kernels on CPU; HANZO_<OP>_FALLBACK=1 selects the reference (one process)."""
+    K, N = 512, 8
+    w = random_blocks("Q6_K", N, K, seed=7)
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    fast = torch.ops.hanzo.mul_mat(x, w, "Q6_K")
+    assert torch.equal(fast, hcpu.mul_mat(x, w, "Q6_K"))
+    monkeypatch.setenv("HANZO_MUL_MAT_FALLBACK", "1")
+    slow = torch.ops.hanzo.mul_mat(x, w, "Q6_K")
+    assert torch.equal(slow, quant.mul_mat_reference(x, w, "Q6_K"))
+    assert not torch.equal(fast, slow)  # different arithmetic: int8 activations vs float32
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=0.05, atol=0.05 * slow.float().abs().max().item())
+    monkeypatch.delenv("HANZO_MUL_MAT_FALLBACK")
+    ids = torch.tensor([[1, 0]])
+    emb = torch.ops.hanzo.get_rows(w, ids, "Q6_K", torch.float32)
+    assert torch.equal(emb, quant.get_rows_reference(w, ids, "Q6_K", torch.float32))
+
+
+def test_forced_isa_env(ext, monkeypatch):
+    monkeypatch.setenv("HANZO_CPU_ISA", "scalar")
+    assert hcpu.default_isa() == 0
+    monkeypatch.setenv("HANZO_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="HANZO_CPU_ISA"):
+        hcpu.default_isa()
