@@ -27,6 +27,15 @@ OPCHECK_FORMATS = tuple(q for q in ("Q8_0", "Q4_K", "IQ2_XXS") if q in FORMATS) 
 U32 = 2.0 ** -24  # unit roundoff of float32
 
 
+@pytest.fixture(autouse=True)
+def references_only(monkeypatch):
+    """These tests are the oracle of the references: HANZO_<OP>_FALLBACK=1 for every quantized op, so a
+    fast backend registered on this machine does not change what is tested (backends have their own
+    gates against these references)."""
+    for op in Q.OPS:
+        monkeypatch.setenv(f"HANZO_{op.upper()}_FALLBACK", "1")
+
+
 # ---------------------------------------------------------------------- test data
 def gguf_dequant(packed: torch.Tensor, qtype: str) -> torch.Tensor:
     """The oracle: ``gguf.quants.dequantize`` of ``uint8 [..., row_bytes]`` -> float64 ``[..., K]``."""
@@ -408,6 +417,7 @@ def test_dispatch_uses_registered_kernel_and_fallback_env(monkeypatch):
         calls.append(qtype)
         return Q.mul_mat_reference(x, w, qtype) + 1.0
 
+    monkeypatch.delenv("HANZO_MUL_MAT_FALLBACK")
     monkeypatch.setitem(_common._KERNELS, ("mul_mat", "cpu"), [(frozenset({"Q8_0"}), fake_kernel)])
     w = random_packed("Q8_0", (4, 64))
     x = torch.randn(2, 64)

@@ -26,6 +26,7 @@ from ..formats import Format, get_format
 from . import _common
 
 __all__ = [
+    "OPS",
     "CHUNK_BYTES",
     "dequantize_reference",
     "quantize_q8_1_reference",
@@ -33,6 +34,9 @@ __all__ = [
     "mul_mat_id_reference",
     "get_rows_reference",
 ]
+
+OPS = ("dequantize", "quantize_q8_1", "mul_mat", "mul_mat_id", "get_rows")
+"""The ops this module defines (``torch.ops.hanzo.<name>``)."""
 
 CHUNK_BYTES = 64 << 20
 """Most bytes of dequantized float32 weight a reference holds at once (64 MiB): bounds the
