@@ -7,7 +7,8 @@ from ``gguf.quants`` at import: the scale decoders are evaluated once on all 256
 kept as 256-entry tables, so dequantization is bit-identical to gguf by construction.
 MXFP4 quantization repeats gguf's (scale exponent ``floor(log2(max|x|)) - 2``, nearest level,
 first on ties) and is byte-identical to ``gguf.quants.quantize``; gguf has no NVFP4 quantizer,
-so neither does hanzo-torch.
+so neither does hanzo-torch. The generic bit and table helpers live in
+:mod:`hanzo_torch.formats._bits`.
 """
 from __future__ import annotations
 
@@ -17,9 +18,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as _gq
 
 from . import register
-from .dense import block_layout, check_blocks, make_format
-from .iquants import DeviceTable, table_from_gguf
-from .legacy import pack_bits, unpack_bits
+from ._bits import (
+    DeviceTable,
+    block_layout,
+    check_blocks,
+    check_values,
+    lookup,
+    make_format,
+    pack_bits,
+    table_from_gguf,
+    unpack_bits,
+)
 
 __all__ = ["FP4_FORMATS"]
 
@@ -32,10 +41,6 @@ def _byte_table(decode) -> DeviceTable:
         values = np.asarray(decode(_BYTES.copy()))
     assert values.dtype == np.float32 and values.shape == (256,), (values.dtype, values.shape)
     return table_from_gguf(values, torch.float32)
-
-
-def _lookup(table: DeviceTable, idx: torch.Tensor) -> torch.Tensor:
-    return table.on(idx.device)[idx.to(torch.int64)]
 
 
 FP4_FORMATS: tuple[str, ...] = ()
@@ -80,20 +85,18 @@ if hasattr(_gq, "MXFP4") and hasattr(GGMLQuantizationType, "MXFP4"):
 
     def _mxfp4_dequantize(blocks: torch.Tensor) -> torch.Tensor:
         check_blocks(blocks, "MXFP4")
-        d = _lookup(_E8M0_HALF, blocks[:, _MXFP4["e"]])  # [n, 1]
+        d = lookup(_E8M0_HALF, blocks[:, _MXFP4["e"]])  # [n, 1]
         q = unpack_bits(blocks[:, _MXFP4["qs"]], 4, QK_MXFP4 // 2)
-        return d * _lookup(_KVALUES_MXFP4, q)
+        return d * lookup(_KVALUES_MXFP4, q)
 
     def _mxfp4_quantize(blocks: torch.Tensor) -> torch.Tensor:
-        if blocks.dim() != 2 or blocks.shape[1] != QK_MXFP4:
-            raise ValueError(f"MXFP4: values must have shape [n, {QK_MXFP4}], got {list(blocks.shape)}")
-        blocks = blocks.to(torch.float32)
+        blocks = check_values(blocks, "MXFP4")
         d = blocks.abs().amax(dim=-1, keepdim=True)  # [n, 1]
         # e = floor(log2(d)) - 2 + 127 as numpy float32 computes it, then numpy's float->uint8
         # cast on x86 (wraps modulo 256 in int32 range; gives 0 for inf); 0 where not d > 0.
         floor_log2 = torch.searchsorted(_LOG2_THRESHOLDS.on(d.device), d.contiguous(), right=True) - 150
         e = torch.where((d > 0) & torch.isfinite(d), (floor_log2 + 125) & 0xFF, torch.zeros_like(floor_log2))
-        scale = _lookup(_E8M0_HALF, e)  # [n, 1]
+        scale = lookup(_E8M0_HALF, e)  # [n, 1]
         kv = _KVALUES_MXFP4.on(d.device)
         err = (scale.unsqueeze(-1) * kv - blocks.unsqueeze(-1)).abs()  # [n, 32, 16]
         q = err.argmin(dim=-1)  # first minimum on ties, as numpy's argmin
@@ -122,9 +125,9 @@ if hasattr(_gq, "NVFP4") and hasattr(GGMLQuantizationType, "NVFP4"):
         check_blocks(blocks, "NVFP4")
         n = blocks.shape[0]
         n_sub = QK_NVFP4 // QK_NVFP4_SUB
-        d = _lookup(_UE4M3_HALF, blocks[:, _NVFP4["d"]]).reshape(n, n_sub, 1)
+        d = lookup(_UE4M3_HALF, blocks[:, _NVFP4["d"]]).reshape(n, n_sub, 1)
         q = unpack_bits(blocks[:, _NVFP4["qs"]], 4, QK_NVFP4_SUB // 2).reshape(n, n_sub, QK_NVFP4_SUB)
-        return (d * _lookup(_KVALUES_NVFP4, q)).reshape(n, QK_NVFP4)
+        return (d * lookup(_KVALUES_NVFP4, q)).reshape(n, QK_NVFP4)
 
     NVFP4 = register(make_format("NVFP4", _nvfp4_dequantize))
     FP4_FORMATS += ("NVFP4",)

@@ -10,13 +10,11 @@ The codebooks (grids) and the IQ4 non-linear levels are read from the ``gguf`` p
 import (``gguf.quants.<TYPE>.init_grid()`` / ``.grid``, ``.kvalues``), turned into torch tensors
 once and cached per device (:class:`DeviceTable`); nothing here copies those tables.
 
-Besides the byte-field helpers of ``dense``/``legacy`` this module holds the word-level helpers
-(little-endian uint16/uint32 fields, bit fields of words, parity signs) and
-:class:`DeviceTable`, shared with the ternary and fp4 modules.
+The generic word and bit helpers (little-endian words, bit fields of words, device tables) live
+in :mod:`hanzo_torch.formats._bits`; this module keeps the i-quant sign rule
+(:func:`parity_signs`) and the codebooks.
 """
 from __future__ import annotations
-
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -24,72 +22,23 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, QK_K
 from gguf import quants as _gq
 
 from . import register
-from .dense import block_layout, check_blocks, fp16_field, make_format
-from .legacy import unpack_bits
+from ._bits import (
+    DeviceTable,
+    block_layout,
+    check_blocks,
+    fp16_field,
+    half_bits_to_f32,
+    le_u16,
+    le_u32,
+    lookup,
+    make_format,
+    signs_from_bits,
+    split_bits,
+    table_from_gguf,
+    unpack_bits,
+)
 
-__all__ = ["IQ_FORMATS", "DeviceTable", "table_from_gguf", "le_u16", "le_u32", "split_bits", "parity_signs"]
-
-
-# ---------------------------------------------------------------------------------------------
-# shared helpers (also used by ternary.py and fp4.py)
-# ---------------------------------------------------------------------------------------------
-
-class DeviceTable:
-    """A constant lookup table built once on the CPU and copied to each device on first use.
-
-    ``table.on(device)`` returns the tensor on ``device``; later calls return the cached copy,
-    so steady-state dequantization makes no host-to-device transfer.
-    """
-
-    def __init__(self, cpu_tensor: torch.Tensor):
-        self.cpu = cpu_tensor.contiguous()
-        self._by_device: dict[torch.device, torch.Tensor] = {self.cpu.device: self.cpu}
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        t = self._by_device.get(device)
-        if t is None:
-            t = self._by_device[device] = self.cpu.to(device)
-        return t
-
-
-def table_from_gguf(values, dtype: torch.dtype) -> DeviceTable:
-    """A :class:`DeviceTable` of ``dtype`` from a table kept by ``gguf`` (numpy array or tuple)."""
-    return DeviceTable(torch.from_numpy(np.array(values, copy=True)).to(dtype))
-
-
-def le_u16(b: torch.Tensor) -> torch.Tensor:
-    """Little-endian uint16 fields of bytes ``[n, 2m]`` (any int dtype) -> ``int32 [n, m]``."""
-    b = b.to(torch.int32)
-    return b[:, 0::2] | (b[:, 1::2] << 8)
-
-
-def le_u32(b: torch.Tensor) -> torch.Tensor:
-    """Little-endian uint32 fields of bytes ``[n, 4m]`` (any int dtype) -> ``int64 [n, m]``."""
-    b = b.to(torch.int64)
-    return b[:, 0::4] | (b[:, 1::4] << 8) | (b[:, 2::4] << 16) | (b[:, 3::4] << 24)
-
-
-def half_bits_to_f32(bits: torch.Tensor) -> torch.Tensor:
-    """IEEE fp16 bit patterns (integers in [0, 65535], any int dtype) -> float32, same shape."""
-    bits = bits.to(torch.int32)
-    as_int16 = bits - ((bits >> 15) << 16)  # the same 16 bits as a two's-complement value
-    return as_int16.to(torch.int16).view(torch.float16).to(torch.float32)
-
-
-_SHIFTS: dict[tuple, torch.Tensor] = {}
-
-
-def split_bits(x: torch.Tensor, shifts: Sequence[int], mask: int) -> torch.Tensor:
-    """Bit fields of integer words: ``(x >> s) & mask`` for each shift, ``[..., m] -> [..., m, k]``.
-
-    For fields of multi-byte words (bytes go through ``legacy.unpack_bits``). The shift vector
-    is cached per (shifts, dtype, device), so no small host-to-device copy happens per call.
-    """
-    key = (tuple(shifts), x.dtype, x.device)
-    sh = _SHIFTS.get(key)
-    if sh is None:
-        sh = _SHIFTS[key] = torch.tensor(key[0], dtype=x.dtype).to(x.device)
-    return (x.unsqueeze(-1) >> sh) & mask
+__all__ = ["IQ_FORMATS", "parity_signs"]
 
 
 def parity_signs(idx7: torch.Tensor) -> torch.Tensor:
@@ -104,23 +53,13 @@ def parity_signs(idx7: torch.Tensor) -> torch.Tensor:
     p = idx7 ^ (idx7 >> 4)
     p = p ^ (p >> 2)
     p = (p ^ (p >> 1)) & 1
-    return _signs(split_bits(idx7 | (p << 7), range(8), 1))
-
-
-def _signs(bits: torch.Tensor) -> torch.Tensor:
-    """Sign bits (0/1 integers) -> float32 +1.0 / -1.0, as gguf's ``np.where(s == 0, 1, -1)``."""
-    return 1.0 - 2.0 * bits.to(torch.float32)
+    return signs_from_bits(split_bits(idx7 | (p << 7), range(8), 1))
 
 
 def _grid(cls) -> DeviceTable:
     """The codebook of an i-quant class of ``gguf.quants``, float32 ``[entries, width]``."""
     cls.init_grid()
     return table_from_gguf(np.asarray(cls.grid).reshape(cls.grid_shape), torch.float32)
-
-
-def _lookup(table: DeviceTable, idx: torch.Tensor) -> torch.Tensor:
-    """``table[idx]`` on ``idx``'s device (idx of any int dtype)."""
-    return table.on(idx.device)[idx.to(torch.int64)]
 
 
 assert all(GGML_QUANT_SIZES[GGMLQuantizationType[n]][0] == QK_K for n in (
@@ -159,7 +98,7 @@ def _iq2_xxs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     aux1 = le_u32(qs[:, :, 4:].reshape(n, 32))  # [n, 8]
     db = (d * (0.5 + (aux1 >> 28).to(torch.float32)) * 0.25).reshape(n, 8, 1, 1)
     signs = parity_signs(split_bits(aux1, (0, 7, 14, 21), 0x7F)).reshape(n, 8, 4, 8)
-    grid = _lookup(_GRID_IQ2_XXS, qs[:, :, :4]).reshape(n, 8, 4, 8)
+    grid = lookup(_GRID_IQ2_XXS, qs[:, :, :4]).reshape(n, 8, 4, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -181,7 +120,7 @@ def _iq2_xs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     sc = unpack_bits(blocks[:, _IQ2_XS["scales"]], 4, 1)  # [n, 16]
     db = (d * (0.5 + sc.to(torch.float32)) * 0.25).reshape(n, 16, 1, 1)
     signs = parity_signs(qs >> 9).reshape(n, 16, 2, 8)
-    grid = _lookup(_GRID_IQ2_XS, qs & 511).reshape(n, 16, 2, 8)
+    grid = lookup(_GRID_IQ2_XS, qs & 511).reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -202,10 +141,10 @@ def _iq2_s_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     d = fp16_field(blocks, _IQ2_S["d"])
     sc = unpack_bits(blocks[:, _IQ2_S["scales"]], 4, 1)
     db = (d * (0.5 + sc.to(torch.float32)) * 0.25).reshape(n, 16, 1, 1)
-    signs = _signs(unpack_bits(blocks[:, _IQ2_S["signs"]], 1, 1)).reshape(n, 16, 2, 8)
+    signs = signs_from_bits(unpack_bits(blocks[:, _IQ2_S["signs"]], 1, 1)).reshape(n, 16, 2, 8)
     qh = unpack_bits(blocks[:, _IQ2_S["qh"]], 2, 1).to(torch.int32)  # [n, 32]
     g = blocks[:, _IQ2_S["qs"]].to(torch.int32) | (qh << 8)
-    grid = _lookup(_GRID_IQ2_S, g).reshape(n, 16, 2, 8)
+    grid = lookup(_GRID_IQ2_S, g).reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -227,7 +166,7 @@ def _iq3_xxs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     aux = le_u32(blocks[:, _IQ3_XXS["scales_and_signs"]])  # [n, 8]
     db = (d * (0.5 + (aux >> 28).to(torch.float32)) * 0.5).reshape(n, 8, 1, 1)
     signs = parity_signs(split_bits(aux, (0, 7, 14, 21), 0x7F)).reshape(n, 8, 4, 8)
-    grid = _lookup(_GRID_IQ3_XXS, blocks[:, _IQ3_XXS["qs"]]).reshape(n, 8, 4, 8)
+    grid = lookup(_GRID_IQ3_XXS, blocks[:, _IQ3_XXS["qs"]]).reshape(n, 8, 4, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -247,10 +186,10 @@ def _iq3_s_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     d = fp16_field(blocks, _IQ3_S["d"])
     sc = unpack_bits(blocks[:, _IQ3_S["scales"]], 4, 1).to(torch.int32)  # [n, 8]
     db = (d * (1 + 2 * sc).to(torch.float32)).reshape(n, 8, 1, 1)
-    signs = _signs(unpack_bits(blocks[:, _IQ3_S["signs"]], 1, 1)).reshape(n, 8, 4, 8)
+    signs = signs_from_bits(unpack_bits(blocks[:, _IQ3_S["signs"]], 1, 1)).reshape(n, 8, 4, 8)
     qh = unpack_bits(blocks[:, _IQ3_S["qh"]], 1, 1).to(torch.int32)  # [n, 64]
     g = blocks[:, _IQ3_S["qs"]].to(torch.int32) | (qh << 8)
-    grid = _lookup(_GRID_IQ3_S, g).reshape(n, 8, 4, 8)
+    grid = lookup(_GRID_IQ3_S, g).reshape(n, 8, 4, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -273,7 +212,7 @@ def _iq1_s_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     delta = torch.where((qh & 0x8000) == 0, _IQ1_DELTA, -_IQ1_DELTA).reshape(n, 8, 1, 1)
     hi = split_bits(qh, (0, 3, 6, 9), 0x7).reshape(n, 32)
     g = blocks[:, _IQ1_S["qs"]].to(torch.int32) | (hi << 8)
-    grid = _lookup(_GRID_IQ1, g).reshape(n, 8, 4, 8)
+    grid = lookup(_GRID_IQ1, g).reshape(n, 8, 4, 8)
     return (dl * (grid + delta)).reshape(n, QK_K)
 
 
@@ -301,7 +240,7 @@ def _iq1_m_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     qh = unpack_bits(blocks[:, _IQ1_M["qh"]], 4, 1).to(torch.int32)  # [n, 32]
     g = blocks[:, _IQ1_M["qs"]].to(torch.int32) | ((qh & 0x7) << 8)
     delta = torch.where((qh & 0x8) == 0, _IQ1_DELTA, -_IQ1_DELTA).reshape(n, 8, 2, 2, 1)
-    grid = _lookup(_GRID_IQ1, g).reshape(n, 8, 2, 2, 8)
+    grid = lookup(_GRID_IQ1, g).reshape(n, 8, 2, 2, 8)
     return (dl * (grid + delta)).reshape(n, QK_K)
 
 
@@ -316,7 +255,7 @@ _IQ4_NL = block_layout("IQ4_NL", d=2, qs=QK4_NL // 2)
 def _iq4_nl_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     check_blocks(blocks, "IQ4_NL")
     d = fp16_field(blocks, _IQ4_NL["d"])
-    return d * _lookup(_KVALUES_IQ4, unpack_bits(blocks[:, _IQ4_NL["qs"]], 4, QK4_NL // 2))
+    return d * lookup(_KVALUES_IQ4, unpack_bits(blocks[:, _IQ4_NL["qs"]], 4, QK4_NL // 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +277,7 @@ def _iq4_xs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     sl = unpack_bits(blocks[:, _IQ4_XS["scales_l"]], 4, 1).to(torch.int32)
     dl = (d * ((sl | (sh << 4)) - 32).to(torch.float32)).reshape(n, 8, 1)
     q = unpack_bits(blocks[:, _IQ4_XS["qs"]], 4, 16).reshape(n, 8, 32)
-    return (dl * _lookup(_KVALUES_IQ4, q)).reshape(n, QK_K)
+    return (dl * lookup(_KVALUES_IQ4, q)).reshape(n, QK_K)
 
 
 IQ2_XXS = register(make_format("IQ2_XXS", _iq2_xxs_dequantize))

@@ -5,7 +5,8 @@ Each super-block holds an fp16 scale ``d`` (and for Q2_K/Q4_K/Q5_K an fp16 ``dmi
 dequantization repeats the float32 operations of ``gguf.quants`` in the same order (first the
 sub-block scale ``d * sc``, then ``(d * sc) * q``, then ``- dmin * m``), so the results are
 bit-identical to it. hanzo-torch does not quantize to K-quants (ggml's K-quant quantizers search
-scales iteratively; gguf has no numpy quantizer for them to check against).
+scales iteratively; gguf has no numpy quantizer for them to check against). The generic bit
+helpers live in :mod:`hanzo_torch.formats._bits`.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, QK_K
 
 from . import register
-from .dense import block_layout, check_blocks, fp16_field, make_format
-from .legacy import unpack_bits
+from ._bits import block_layout, check_blocks, fp16_field, make_format, unpack_bits
+
+__all__ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "K_SCALE_SIZE"]
 
 assert all(GGML_QUANT_SIZES[GGMLQuantizationType[n]][0] == QK_K for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
 

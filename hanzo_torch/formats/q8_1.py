@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .dense import fp16_bytes, fp16_field
-from .legacy import codes_from_float, float_const, round_half_away
+from ._bits import fp16_bytes, fp16_field
+from .legacy import q8_0_scale_and_codes
 
 __all__ = ["QK8_1", "Q8_1_BLOCK_BYTES", "quantize_q8_1", "dequantize_q8_1"]
 
@@ -53,9 +53,7 @@ def quantize_q8_1(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"quantize_q8_1: the last dim of x (K = {k}) must be a multiple of {QK8_1}")
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
     blocks = x.to(torch.float32).reshape(-1, QK8_1)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / float_const(127, blocks)
-    inv = torch.where(d == 0, torch.zeros_like(d), torch.ones_like(d) / d)
-    qs = codes_from_float(round_half_away(blocks * inv), -128, 127, torch.int8)
+    d, qs = q8_0_scale_and_codes(blocks)  # d and qs are Q8_0's
     s = qs.sum(dim=-1, keepdim=True, dtype=torch.int32).to(torch.float32) * d
     out = torch.cat([fp16_bytes(d), fp16_bytes(s), qs.view(torch.uint8)], dim=1)
     return out.reshape(*lead, k // QK8_1 * Q8_1_BLOCK_BYTES)

@@ -3,7 +3,8 @@
 Layouts are ggml's (``ggml-common.h``, ``block_tq1_0`` / ``block_tq2_0``). Dequantization repeats
 the float32 operations of ``gguf.quants`` and is bit-identical to it; quantization repeats its
 rounding (``d = max|x|``, ``q = roundf(x / d)``) and is byte-identical to
-``gguf.quants.quantize``.
+``gguf.quants.quantize``. The generic bit and rounding helpers live in
+:mod:`hanzo_torch.formats._bits`.
 """
 from __future__ import annotations
 
@@ -11,21 +12,24 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, QK_K
 
 from . import register
-from .dense import block_layout, check_blocks, fp16_bytes, fp16_field, make_format
-from .iquants import DeviceTable
-from .legacy import codes_from_float, pack_bits, round_half_away, unpack_bits
+from ._bits import (
+    DeviceTable,
+    block_layout,
+    check_blocks,
+    check_values,
+    fp16_bytes,
+    fp16_field,
+    make_format,
+    pack_bits,
+    round_codes,
+    unpack_bits,
+)
 
 __all__ = ["TQ_FORMATS"]
 
 assert all(GGML_QUANT_SIZES[GGMLQuantizationType[n]][0] == QK_K for n in ("TQ1_0", "TQ2_0"))
 
 _POW3 = DeviceTable(torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32))
-
-
-def _as_values(blocks: torch.Tensor, name: str) -> torch.Tensor:
-    if blocks.dim() != 2 or blocks.shape[1] != QK_K:
-        raise ValueError(f"{name}: values must have shape [n, {QK_K}], got {list(blocks.shape)}")
-    return blocks.to(torch.float32)
 
 
 def _ternary_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,9 +40,7 @@ def _ternary_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cast does on x86; gguf then stores d as inf/NaN or 0, so those codes do not change values.
     """
     d = blocks.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(d == 0, torch.zeros_like(d), torch.ones_like(d) / d)  # a true division
-    q = codes_from_float(round_half_away(blocks * inv), -1, 1, torch.int32) + 1
-    return d, q
+    return d, round_codes(blocks, d, -1, 1, torch.int32) + 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +83,7 @@ def _tq1_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _tq1_0_quantize(blocks: torch.Tensor) -> torch.Tensor:
-    blocks = _as_values(blocks, "TQ1_0")
+    blocks = check_values(blocks, "TQ1_0")
     n = blocks.shape[0]
     d, q = _ternary_codes(blocks)
     return torch.cat([
@@ -109,7 +111,7 @@ def _tq2_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _tq2_0_quantize(blocks: torch.Tensor) -> torch.Tensor:
-    blocks = _as_values(blocks, "TQ2_0")
+    blocks = check_values(blocks, "TQ2_0")
     d, q = _ternary_codes(blocks)
     return torch.cat([pack_bits(q, 2, 32), fp16_bytes(d)], dim=1)
 
