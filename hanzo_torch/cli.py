@@ -1,0 +1,407 @@
+"""``hanzo-torch`` command line: generate, pull, inspect, bench.
+
+    hanzo-torch generate -p "def quicksort(xs):" -n 128          # default model, pulled on first use
+    hanzo-torch generate -m model.gguf --chat -p "Hi" --temp 0    # chat template, greedy
+    hanzo-torch pull                                              # fetch the default model
+    hanzo-torch inspect model.gguf                                # metadata + tensor table
+    hanzo-torch bench -m model.gguf -p 128,512 -n 32 -r 3         # llama-bench style pp/tg tokens/s
+
+Generated text goes to stdout as it decodes; load time and prefill/decode tokens/s go to
+stderr. Errors are one line on stderr: exit 1 for a runtime problem (missing file, not a GGUF,
+unsupported model, download failure), 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+PROG = "hanzo-torch"
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit code 1."""
+
+
+# ---------------------------------------------------------------------- argument parsing
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {v}")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return vals
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", metavar="PATH",
+                   help="GGUF file (default: Qwen2.5-Coder-1.5B-Instruct Q4_K_M, downloaded on first use)")
+    p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=_DTYPES,
+                   help="activation/KV-cache dtype (default: float32 on cpu, bfloat16 elsewhere)")
+    p.add_argument("--max-context", type=_positive_int, metavar="N", help="KV cache length in tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .generation import DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
+
+    parser = argparse.ArgumentParser(prog=PROG, description="Run GGUF LLMs in PyTorch with packed weights.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate text from a prompt (streamed to stdout)")
+    _add_model_args(g)
+    g.add_argument("-p", "--prompt", help="prompt text ('-' or omitted with piped stdin: read stdin)")
+    g.add_argument("-f", "--file", metavar="PATH", help="read the prompt from a file")
+    g.add_argument("-n", "--n-predict", type=int, default=256, metavar="N", help="max new tokens (default 256)")
+    g.add_argument("--temp", type=float, default=DEFAULT_TEMPERATURE, help=f"temperature, 0 = greedy (default {DEFAULT_TEMPERATURE})")
+    g.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help=f"top-k, 0 = off (default {DEFAULT_TOP_K})")
+    g.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help=f"top-p, 1 = off (default {DEFAULT_TOP_P})")
+    g.add_argument("--min-p", type=float, default=DEFAULT_MIN_P, help=f"min-p, 0 = off (default {DEFAULT_MIN_P})")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty, 1 = off (default 1.0)")
+    g.add_argument("--repeat-last-n", type=int, default=DEFAULT_REPEAT_LAST_N,
+                   help=f"tokens the penalty looks back at (default {DEFAULT_REPEAT_LAST_N})")
+    g.add_argument("--seed", type=int, help="sampling seed (default: random, printed with the stats)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--system", metavar="TEXT", help="system message (implies --chat)")
+    g.add_argument("--no-think", action="store_true", help="chat template enable_thinking=False (Qwen3)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+    g.add_argument("-q", "--quiet", action="store_true", help="no stats on stderr")
+
+    p = sub.add_parser("pull", help="download the default model into the cache")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--force", action="store_true", help="download again even if present")
+
+    i = sub.add_parser("inspect", help="show a GGUF file's metadata and tensors")
+    i.add_argument("path", help="GGUF file")
+    i.add_argument("--no-tensors", action="store_true", help="metadata only")
+
+    b = sub.add_parser("bench", help="prompt-processing / generation tokens per second (llama-bench style)")
+    _add_model_args(b)
+    b.add_argument("-p", "--n-prompt", type=_int_list, default=[128], metavar="N[,N...]",
+                   help="prompt lengths to test, 0 = skip (default 128)")
+    b.add_argument("-n", "--n-gen", type=_int_list, default=[32], metavar="N[,N...]",
+                   help="generation lengths to test, 0 = skip (default 32)")
+    b.add_argument("-r", "--repetitions", type=_positive_int, default=3, metavar="R", help="runs per test (default 3)")
+    b.add_argument("--warmup", type=int, default=1, metavar="W", help="untimed runs before each test (default 1)")
+    return parser
+
+
+# ---------------------------------------------------------------------- helpers
+def _die(msg: str) -> None:
+    raise CLIError(msg)
+
+
+def _check_gguf_path(path: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        _die(f"file not found: {path}")
+    if p.is_dir():
+        _die(f"{path} is a directory, not a GGUF file")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        _die(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    return p
+
+
+def _model_path(arg: Optional[str], quiet: bool = False) -> Path:
+    if arg:
+        return _check_gguf_path(arg)
+    from .hub import pull
+
+    return pull(quiet=quiet)
+
+
+def _device_dtype(device: str, dtype: str):
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        _die(f"bad --device {device!r}: {exc}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        _die("--device cuda requested but torch sees no CUDA/ROCm device")
+    return dev, (None if dtype == "auto" else getattr(torch, dtype))
+
+
+def _load(args, max_context: Optional[int] = None):
+    from . import load
+
+    path = _model_path(args.model, quiet=getattr(args, "quiet", False))
+    device, dtype = _device_dtype(args.device, args.dtype)
+    t0 = time.perf_counter()
+    model = load(path, device=device, dtype=dtype, max_context=args.max_context or max_context)
+    return model, path, time.perf_counter() - t0
+
+
+def _err(msg: str) -> None:
+    print(f"{PROG}: {msg}", file=sys.stderr)
+
+
+def _read_prompt(args) -> str:
+    if args.file:
+        try:
+            return Path(args.file).read_text(encoding="utf-8")
+        except OSError as exc:
+            _die(f"cannot read prompt file {args.file}: {exc.strerror or exc}")
+    if args.prompt == "-" or (args.prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if args.prompt is None:
+        _die("no prompt: give -p TEXT, -f FILE, or pipe text to stdin")
+    return args.prompt
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_generate(args) -> int:
+    prompt_text = _read_prompt(args)
+    if args.n_predict < 0:
+        _die(f"-n must be >= 0, got {args.n_predict}")
+    model, path, load_s = _load(args)
+    tok = model.tokenizer
+    if args.chat or args.system:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
+               [{"role": "user", "content": prompt_text}]
+        kw = {"enable_thinking": False} if args.no_think else {}
+        prompt = msgs
+    else:
+        prompt, kw = prompt_text, {}
+    stream = model.generate(prompt, max_new_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
+                            repeat_last_n=args.repeat_last_n, seed=args.seed, stop=args.stop or None,
+                            ignore_eos=args.ignore_eos, stream=True, tokenizer=tok, **kw)
+    out = sys.stdout
+    for piece in stream:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    if not args.quiet:
+        st = stream.stats
+        _err(f"model {path.name} loaded in {load_s:.2f} s on {model.device}")
+        _err(st.summary() + f" | seed {st.seed}")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from .hub import pull
+
+    path = pull(quiet=args.quiet, force=args.force)
+    print(path)
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _fmt_count(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return str(n)
+
+
+def _fmt_value(meta, key: str) -> str:
+    value = meta[key]
+    if hasattr(value, "tolist"):  # large numeric arrays come back as tensors
+        value = value.tolist()
+    if isinstance(value, list):
+        elem = meta.element_type(key) if hasattr(meta, "element_type") else None
+        kind = elem.name if elem is not None else "?"
+        head = ", ".join(repr(v) if isinstance(v, str) else str(v) for v in value[:4])
+        more = ", ..." if len(value) > 4 else ""
+        return f"[{len(value)} x {kind}] [{head}{more}]"
+    if isinstance(value, str):
+        one = value.replace("\n", "\\n")
+        return repr(one) if len(one) <= 80 else f"{one[:77]!r}... ({len(value)} chars)"
+    return str(value)
+
+
+def _file_type_name(meta) -> Optional[str]:
+    import gguf
+
+    ft = meta.get("general.file_type")
+    if ft is None:
+        return None
+    try:
+        name = gguf.LlamaFileType(int(ft)).name
+    except ValueError:
+        return f"type {ft}"
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def cmd_inspect(args) -> int:
+    from .gguf_file import GGUFFile
+
+    path = _check_gguf_path(args.path)
+    with GGUFFile(path) as f:
+        meta = f.metadata
+        infos = list(f.tensor_info.values())
+        n_params = sum(t.n_elements for t in infos)
+        total = sum(t.nbytes for t in infos)
+        print(f"file:         {path} ({_fmt_bytes(f.size)})")
+        print(f"format:       GGUF v{f.version}, {len(meta)} metadata keys, {len(infos)} tensors, "
+              f"alignment {f.alignment}")
+        print(f"architecture: {f.architecture or '(none)'}")
+        ft = _file_type_name(meta)
+        if ft:
+            print(f"file type:    {ft}")
+        print(f"parameters:   {n_params:,} ({_fmt_count(n_params)}), tensor data {_fmt_bytes(total)}"
+              + (f", {8 * total / n_params:.2f} bits/weight" if n_params else ""))
+        print("\nmetadata:")
+        width = max((len(k) for k in meta), default=0)
+        for key in meta:
+            print(f"  {key:<{width}}  {_fmt_value(meta, key)}")
+        if infos:
+            by_fmt: dict[str, list[int]] = {}
+            for t in infos:
+                c = by_fmt.setdefault(t.qtype, [0, 0, 0])
+                c[0] += 1
+                c[1] += t.n_elements
+                c[2] += t.nbytes
+            print("\nformats:")
+            for q, (n, elems, nb) in sorted(by_fmt.items(), key=lambda kv: -kv[1][2]):
+                print(f"  {q:<8} {n:>5} tensors  {elems:>14,} weights  {_fmt_bytes(nb):>11}")
+        if infos and not args.no_tensors:
+            nw = max(len(t.name) for t in infos)
+            print(f"\ntensors:\n  {'name':<{nw}}  {'format':<8}  {'shape':<22}  {'bytes':>13}")
+            for t in infos:
+                shape = "x".join(str(s) for s in t.shape) or "scalar"
+                print(f"  {t.name:<{nw}}  {t.qtype:<8}  {shape:<22}  {t.nbytes:>13,}")
+    return 0
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device) if hasattr(torch, "accelerator") else torch.cuda.synchronize(device)
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    tests = [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
+    if not tests:
+        _die("nothing to run: every -p and -n value is 0")
+    if args.warmup < 0:
+        _die(f"--warmup must be >= 0, got {args.warmup}")
+    need = max(n for _, n in tests)
+    model, path, load_s = _load(args, max_context=need)
+    if model.max_context < need:
+        _die(f"--max-context {model.max_context} is smaller than the longest test ({need} tokens)")
+    device = model.device
+    vocab = model.args.vocab_size if hasattr(model, "args") else len(model.tokenizer)
+    gen = torch.Generator().manual_seed(1234)
+    accepts_last_only = "last_only" in __import__("inspect").signature(model.forward).parameters
+    kw = {"last_only": True} if accepts_last_only else {}
+
+    def run_pp(n: int) -> float:
+        ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+        pos = torch.arange(n, device=device).unsqueeze(0)
+        model.reset()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(ids, positions=pos, **kw)
+        float(out[0, -1, 0])  # waits for the device
+        return time.perf_counter() - t0
+
+    def run_tg(n: int) -> float:
+        tok = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
+        pos = torch.zeros((1, 1), dtype=torch.long, device=device)
+        model.reset()
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for i in range(n):
+                pos.fill_(i)
+                tok = model(tok, positions=pos, **kw)[:, -1].argmax(-1, keepdim=True)  # stays on the device
+            int(tok[0, 0])
+        return time.perf_counter() - t0
+
+    from .gguf_file import GGUFFile
+
+    with GGUFFile(path) as f:
+        infos = list(f.tensor_info.values())
+        size = sum(t.nbytes for t in infos)
+        params = sum(t.n_elements for t in infos)
+        ftype = _file_type_name(f.metadata) or "?"
+        arch = f.architecture or "?"
+    dtype = str(model.dtype).removeprefix("torch.") if hasattr(model, "dtype") else "?"
+    _err(f"model {path.name} loaded in {load_s:.2f} s on {device}")
+    cols = ["model", "size", "params", "device", "dtype", "test", "t/s (median)", "± stdev", "runs"]
+    head = f"{arch} {ftype}"
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join("-" * (len(c) + 2) for c in cols) + "|")
+    with torch.inference_mode():
+        for kind, n in tests:
+            fn = run_pp if kind == "pp" else run_tg
+            for _ in range(args.warmup):
+                fn(n)
+            rates = [n / fn(n) for _ in range(args.repetitions)]
+            med = statistics.median(rates)
+            sd = statistics.stdev(rates) if len(rates) > 1 else 0.0
+            row = [head, _fmt_bytes(size), _fmt_count(params), str(device), dtype, f"{kind}{n}",
+                   f"{med:.2f}", f"{sd:.2f}", str(len(rates))]
+            print("| " + " | ".join(row) + " |", flush=True)
+    return 0
+
+
+_COMMANDS = {"generate": cmd_generate, "pull": cmd_pull, "inspect": cmd_inspect, "bench": cmd_bench}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``hanzo-torch``; returns the exit code (0 ok, 1 error, 2 usage, 130 ^C)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with a usage message on bad arguments
+    from .gguf_file import GGUFError
+    from .hub import HubError
+    from .tokenizer import TokenizerError
+
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `hanzo-torch ... | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+    except (CLIError, GGUFError, HubError, TokenizerError, ValueError, OSError, NotImplementedError) as exc:
+        msg = " ".join(str(exc).split()) or type(exc).__name__  # one line
+        if isinstance(exc, OSError) and exc.strerror:
+            msg = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+        _err(f"error: {msg}")
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
