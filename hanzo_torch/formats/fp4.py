@@ -19,15 +19,8 @@ from gguf import quants as _gq
 
 from . import register
 from ._bits import (
-    DeviceTable,
-    block_layout,
-    check_blocks,
-    check_values,
-    lookup,
-    make_format,
-    pack_bits,
-    table_from_gguf,
-    unpack_bits,
+    DeviceTable, block_layout, check_blocks, check_values, lookup, make_format, pack_bits,
+    table_from_gguf, unpack_bits,
 )
 
 __all__ = ["FP4_FORMATS"]

@@ -23,19 +23,8 @@ from gguf import quants as _gq
 
 from . import register
 from ._bits import (
-    DeviceTable,
-    block_layout,
-    check_blocks,
-    fp16_field,
-    half_bits_to_f32,
-    le_u16,
-    le_u32,
-    lookup,
-    make_format,
-    signs_from_bits,
-    split_bits,
-    table_from_gguf,
-    unpack_bits,
+    DeviceTable, block_layout, check_blocks, fp16_field, half_bits_to_f32, le_u16, le_u32,
+    lookup, make_format, signs_from_bits, split_bits, table_from_gguf, unpack_bits,
 )
 
 __all__ = ["IQ_FORMATS", "parity_signs"]

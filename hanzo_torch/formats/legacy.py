@@ -12,19 +12,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import register
 from ._bits import (
-    block_layout,
-    check_blocks,
-    check_values,
-    codes_from_float,
-    float_const,
-    fp16_bytes,
-    fp16_field,
-    make_format,
-    pack_bits,
-    round_codes,
-    safe_reciprocal,
-    signed_absmax,
-    unpack_bits,
+    block_layout, check_blocks, check_values, codes_from_float, float_const, fp16_bytes,
+    fp16_field, make_format, pack_bits, round_codes, safe_reciprocal, signed_absmax, unpack_bits,
 )
 
 __all__ = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "q8_0_scale_and_codes"]

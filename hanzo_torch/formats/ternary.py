@@ -13,16 +13,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, QK_K
 
 from . import register
 from ._bits import (
-    DeviceTable,
-    block_layout,
-    check_blocks,
-    check_values,
-    fp16_bytes,
-    fp16_field,
-    make_format,
-    pack_bits,
-    round_codes,
-    unpack_bits,
+    DeviceTable, block_layout, check_blocks, check_values, fp16_bytes, fp16_field, make_format,
+    pack_bits, round_codes, unpack_bits,
 )
 
 __all__ = ["TQ_FORMATS"]
