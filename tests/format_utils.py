@@ -1,20 +1,27 @@
-"""Test helpers for the format registry: the gguf oracle, a NaN-aware bit comparison, and the
-per-format knowledge of where the float fields (scales) of a block lie.
+"""Test helpers for the format registry: the gguf oracle, a NaN-aware bit comparison, seeded
+generators, and the per-format knowledge of where the scale fields of a block lie.
 
-To cover a new format with the "valid blocks" and "extreme scales" tests, add its float fields
-to :data:`FLOAT_FIELDS` (byte offset within the block and kind); nothing else is needed.
+To cover a new format with the "valid blocks" and "extreme scales" tests of tests/test_formats.py
+and tests/test_formats_iq.py, add its scale fields to :data:`FLOAT_FIELDS` (byte offset within
+the block and kind); nothing else is needed.
 """
 from __future__ import annotations
 
 import warnings
+import zlib
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-# name -> ((byte offset, kind), ...): the float fields of one block, kind "f16", "bf16" or "f32".
-# Offsets are those of ggml-common.h's block structs.
+# name -> ((byte offset, kind), ...): the scale fields of one block. Offsets are those of
+# ggml-common.h's block structs. Kinds:
+#   "f32", "f16", "bf16": an IEEE float stored little-endian at the offset;
+#   "f16_iq1m":           IQ1_M's fp16 d, split into the top nibbles of the 4 little-endian
+#                         uint16 words from the offset (nibble i of d in word i);
+#   "e8m0", "ue4m3":      a one-byte scale (MXFP4's E8M0 exponent, NVFP4's unsigned E4M3) that
+#                         decodes to a finite value for every byte, so random bytes are valid.
 FLOAT_FIELDS: dict[str, tuple[tuple[int, str], ...]] = {
     "F32": ((0, "f32"),),
     "F16": ((0, "f16"),),
@@ -29,32 +36,59 @@ FLOAT_FIELDS: dict[str, tuple[tuple[int, str], ...]] = {
     "Q4_K": ((0, "f16"), (2, "f16")),        # d, dmin
     "Q5_K": ((0, "f16"), (2, "f16")),        # d, dmin
     "Q6_K": ((208, "f16"),),                 # d after ql[128], qh[64], scales[16]
+    "IQ1_S": ((0, "f16"),),                  # d
+    "IQ1_M": ((48, "f16_iq1m"),),            # d in the scales words after qs[32], qh[16]
+    "IQ2_XXS": ((0, "f16"),),
+    "IQ2_XS": ((0, "f16"),),
+    "IQ2_S": ((0, "f16"),),
+    "IQ3_XXS": ((0, "f16"),),
+    "IQ3_S": ((0, "f16"),),
+    "IQ4_NL": ((0, "f16"),),
+    "IQ4_XS": ((0, "f16"),),
+    "TQ1_0": ((52, "f16"),),                 # d after qs[48], qh[4]
+    "TQ2_0": ((64, "f16"),),                 # d after qs[64]
+    "MXFP4": ((0, "e8m0"),),                 # e
+    "NVFP4": ((0, "ue4m3"), (1, "ue4m3"), (2, "ue4m3"), (3, "ue4m3")),  # d[4], one per 16 values
 }
 
-# kind -> (bytes, exponent mask, a bit of the exponent to clear when the exponent is all ones)
+# float kind -> (bytes, exponent mask, a bit of the exponent to clear when the exponent is all ones)
 _KINDS = {
     "f16": (2, 0x7C00, 0x4000),
+    "f16_iq1m": (2, 0x7C00, 0x4000),
     "bf16": (2, 0x7F80, 0x4000),
     "f32": (4, 0x7F800000, 0x40000000),
 }
+BYTE_SCALE_KINDS = frozenset({"e8m0", "ue4m3"})  # every byte value is a finite scale
 
-# Bit patterns of extreme finite values per kind: max, -max, smallest subnormal (both signs),
-# smallest normal, zero.
+# Bit patterns of extreme finite values per float kind: max, -max, smallest subnormal (both
+# signs), smallest normal, zero.
 EXTREME_BITS = {
     "f16": (0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x0400, 0x0000),
     "bf16": (0x7F7F, 0xFF7F, 0x0001, 0x8001, 0x0080, 0x0000),
     "f32": (0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80000001, 0x00800000, 0x00000000),
 }
+EXTREME_BITS["f16_iq1m"] = EXTREME_BITS["f16"]
 
 
-def _put_bits(blocks: torch.Tensor, offset: int, nbytes: int, bits: torch.Tensor) -> None:
-    """Write little-endian ``bits`` (int64 [n]) into bytes ``offset:offset+nbytes`` of each block."""
-    for i in range(nbytes):
+def seeded(*key) -> torch.Generator:
+    """A CPU generator seeded from ``key`` (stable across runs and Python versions)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _put_bits(blocks: torch.Tensor, offset: int, kind: str, bits: torch.Tensor) -> None:
+    """Write the float bit patterns ``bits`` (int64 [n]) into the field of ``kind`` at ``offset``."""
+    if kind == "f16_iq1m":  # nibble i of the fp16 goes to bits 12..15 of the uint16 word i
+        for i in range(4):
+            hi = offset + 2 * i + 1
+            nib = ((bits >> (4 * i)) & 0xF).to(torch.uint8)
+            blocks[:, hi] = (blocks[:, hi] & 0x0F) | (nib << 4)
+        return
+    for i in range(_KINDS[kind][0]):  # little-endian bytes
         blocks[:, offset + i] = ((bits >> (8 * i)) & 0xFF).to(torch.uint8)
 
 
 def random_blocks(name: str, n: int, generator: torch.Generator) -> torch.Tensor:
-    """``uint8 [n, type_size]`` random blocks of format ``name`` whose float fields are finite.
+    """``uint8 [n, type_size]`` random blocks of format ``name`` whose scale fields are finite.
 
     Every other byte is uniformly random, so all quant codes and sub-block scales occur.
 
@@ -67,23 +101,52 @@ def random_blocks(name: str, n: int, generator: torch.Generator) -> torch.Tensor
     fmt = hanzo_torch.get_format(name)
     blocks = torch.randint(0, 256, (n, fmt.type_size), generator=generator, dtype=torch.uint8)
     for offset, kind in fields:
+        if kind in BYTE_SCALE_KINDS:
+            continue
         nbytes, exp_mask, clear = _KINDS[kind]
         bits = torch.randint(0, 1 << (8 * nbytes), (n,), generator=generator, dtype=torch.int64)
         bits = torch.where((bits & exp_mask) == exp_mask, bits ^ clear, bits)
-        _put_bits(blocks, offset, nbytes, bits)
+        _put_bits(blocks, offset, kind, bits)
     return blocks
 
 
 def with_float_fields(blocks: torch.Tensor, name: str, bits: int) -> torch.Tensor:
-    """A copy of ``blocks`` with every float field of ``name`` set to the bit pattern ``bits``."""
+    """A copy of ``blocks`` with every float scale field of ``name`` set to the bit pattern ``bits``.
+
+    Raises:
+        ValueError: ``name`` has one-byte scales (set those bytes directly).
+    """
     out = blocks.clone()
     for offset, kind in FLOAT_FIELDS[name]:
-        _put_bits(out, offset, _KINDS[kind][0], torch.full((out.shape[0],), bits, dtype=torch.int64))
+        if kind not in _KINDS:
+            raise ValueError(f"{name}: {kind} scale fields are bytes, not float bit patterns")
+        _put_bits(out, offset, kind, torch.full((out.shape[0],), bits, dtype=torch.int64))
     return out
 
 
 def field_kinds(name: str) -> set[str]:
+    """The kinds of the scale fields of ``name`` (e.g. ``{"f16"}``)."""
     return {kind for _, kind in FLOAT_FIELDS[name]}
+
+
+def has_float_scales(name: str) -> bool:
+    """True if every scale field of ``name`` is an IEEE float (finite scales -> finite values)."""
+    return name in FLOAT_FIELDS and field_kinds(name) <= set(_KINDS)
+
+
+def check_dequantize(blocks: torch.Tensor, name: str, device: str = "cpu", what: str = "") -> torch.Tensor:
+    """``dequantize_blocks`` of ``uint8 [n, type_size]`` on ``device``, asserted bit-equal to gguf.
+
+    Returns the result (``float32 [n, block_size]``) on the CPU.
+    """
+    import hanzo_torch
+
+    fmt = hanzo_torch.get_format(name)
+    out = fmt.dequantize_blocks(blocks.to(device))
+    assert out.device.type == torch.device(device).type, f"{name} {what}: result on {out.device}"
+    ref = gguf_dequantize(blocks, name).reshape(blocks.shape[0], fmt.block_size)
+    assert_bits_equal(out, ref, f"{name} {what} on {device}")
+    return out.cpu()
 
 
 def gguf_dequantize(data: torch.Tensor, name: str) -> torch.Tensor:

@@ -1,17 +1,17 @@
 """The format registry against its oracle, ``gguf.quants`` (numpy).
 
 Dequantization is compared bit for bit (NaN matches NaN) for every registered format, with
-random bytes (NaN/inf scales included), all-zero blocks, multi-block rows, strided and offset
-inputs and bad arguments. Formats listed in ``format_utils.FLOAT_FIELDS`` are also checked on
-random valid blocks (finite scales, so finite output) and on extreme scales. Quantizers are
-compared byte for byte. q8_1 is checked against a per-block reference written from ggml's
-definition (``quantize_row_q8_1_ref``).
+random bytes (NaN/inf scales included), random valid blocks (finite scales: every format's scale
+fields are listed in ``format_utils.FLOAT_FIELDS``), all-zero blocks, multi-block rows, strided
+and offset inputs, empty and meta inputs and bad arguments; formats with float scales also on
+extreme finite scales. Quantizers are compared byte for byte. q8_1 is checked against a
+per-block reference written from ggml's definition (``quantize_row_q8_1_ref``). The i-quant,
+ternary and FP4 specifics are in tests/test_formats_iq.py.
 """
 from __future__ import annotations
 
 import math
 import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -20,26 +20,17 @@ import torch
 import hanzo_torch
 from hanzo_torch.formats.q8_1 import dequantize_q8_1, quantize_q8_1
 from format_utils import (
-    EXTREME_BITS,
-    FLOAT_FIELDS,
-    assert_bits_equal,
-    field_kinds,
-    gguf_dequantize,
-    gguf_quantize,
-    random_blocks,
-    with_float_fields,
+    EXTREME_BITS, FLOAT_FIELDS, assert_bits_equal, check_dequantize, field_kinds,
+    gguf_dequantize, gguf_quantize, has_float_scales, random_blocks, seeded, with_float_fields,
 )
 
 ALL = list(hanzo_torch.FORMATS)
 QUANTIZED = [n for n in ALL if not hanzo_torch.FORMATS[n].dense]
-WITH_FIELDS = [n for n in ALL if n in FLOAT_FIELDS]
+FLOAT_SCALED = [n for n in ALL if has_float_scales(n)]
 QUANTIZABLE = [n for n in ALL if hanzo_torch.FORMATS[n].quantize_blocks is not None]
 NOT_QUANTIZABLE = [n for n in ALL if hanzo_torch.FORMATS[n].quantize_blocks is None]
 OWN = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-
-
-def _gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _random_bytes(shape, g) -> torch.Tensor:
@@ -71,6 +62,16 @@ def test_registry_has_own_formats_with_gguf_sizes():
         assert (fmt.block_size, fmt.type_size) == GGML_QUANT_SIZES[GGMLQuantizationType[name]], name
 
 
+def test_every_format_has_its_scale_fields_listed():
+    # random_blocks and the valid-block tests need to know where each format keeps its scales
+    assert set(ALL) <= set(FLOAT_FIELDS), sorted(set(ALL) - set(FLOAT_FIELDS))
+    for name in ALL:
+        type_size = hanzo_torch.get_format(name).type_size
+        for offset, kind in FLOAT_FIELDS[name]:
+            width = 8 if kind == "f16_iq1m" else 4 if kind == "f32" else 2 if kind in ("f16", "bf16") else 1
+            assert 0 <= offset and offset + width <= type_size, (name, offset, kind)
+
+
 # ---------------------------------------------------------------------------------------------
 # dequantize, every registered format
 # ---------------------------------------------------------------------------------------------
@@ -79,18 +80,28 @@ def test_registry_has_own_formats_with_gguf_sizes():
 def test_dequantize_random_bytes(name):
     fmt = hanzo_torch.get_format(name)
     n = 256 if fmt.dense else 48
-    blocks = _random_bytes((n, fmt.type_size), _gen("random", name))
-    ref = gguf_dequantize(blocks, name).reshape(n, fmt.block_size)
-    assert_bits_equal(fmt.dequantize_blocks(blocks), ref, name)
+    blocks = _random_bytes((n, fmt.type_size), seeded("random", name))
+    check_dequantize(blocks, name, what="random bytes")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ALL)
-def test_dequantize_zero_blocks(name):
+def test_dequantize_random_valid_blocks(name, device):
+    fmt = hanzo_torch.get_format(name)
+    blocks = random_blocks(name, 128 if fmt.dense else 96, seeded("valid", name))
+    out = check_dequantize(blocks, name, device, "random valid blocks")
+    if has_float_scales(name):  # a finite scale times a bounded code is finite
+        assert torch.isfinite(out).all(), f"{name}: finite scales gave non-finite values"
+    assert out.abs().amax() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ALL)
+def test_dequantize_zero_blocks(name, device):
     fmt = hanzo_torch.get_format(name)
     blocks = torch.zeros(3, fmt.type_size, dtype=torch.uint8)
-    out = fmt.dequantize_blocks(blocks)
-    assert_bits_equal(out, gguf_dequantize(blocks, name).reshape(3, fmt.block_size), name)
-    assert torch.isfinite(out).all()
+    out = check_dequantize(blocks, name, device, "zero blocks")
+    assert not out.any()
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -98,7 +109,7 @@ def test_dequantize_rows_of_many_blocks(name):
     fmt = hanzo_torch.get_format(name)
     k = _row_len(fmt, 5)
     rb = fmt.row_bytes(k)
-    data = _random_bytes((2, 3, rb), _gen("rows", name))
+    data = _random_bytes((2, 3, rb), seeded("rows", name))
     ref = gguf_dequantize(data, name)
     assert ref.shape == (2, 3, k)
     assert_bits_equal(hanzo_torch.dequantize(data, name, (2, 3, k)), ref, name)
@@ -118,7 +129,7 @@ def test_dequantize_strided_and_offset_inputs(name):
     fmt = hanzo_torch.get_format(name)
     k = _row_len(fmt, 3)
     rb = fmt.row_bytes(k)
-    g = _gen("strided", name)
+    g = seeded("strided", name)
     wide = _random_bytes((4, rb + 7), g)
     rows = wide[:, 3:3 + rb]  # non-contiguous rows, odd byte offset
     assert not rows.is_contiguous()
@@ -158,13 +169,19 @@ def test_dequantize_rejects_bad_row_length(name):
         fmt.row_bytes(fmt.block_size // 2)
 
 
-@pytest.mark.parametrize("name", OWN)
-def test_dequantize_blocks_rejects_bad_blocks(name):
+@pytest.mark.parametrize("name", ALL)
+def test_dequantize_blocks_shapes_and_errors(name):
     fmt = hanzo_torch.get_format(name)
-    with pytest.raises(ValueError, match=rf"\[n, {fmt.type_size}\]"):
+    empty = fmt.dequantize_blocks(torch.zeros(0, fmt.type_size, dtype=torch.uint8))
+    assert empty.shape == (0, fmt.block_size) and empty.dtype == torch.float32
+    # meta tensors: shape-only, so the code has no data-dependent host step
+    meta = fmt.dequantize_blocks(torch.zeros(4, fmt.type_size, dtype=torch.uint8, device="meta"))
+    assert meta.shape == (4, fmt.block_size) and meta.dtype == torch.float32
+    with pytest.raises(ValueError, match=rf"{name}: .*\[n, {fmt.type_size}\]"):
         fmt.dequantize_blocks(torch.zeros(2, fmt.type_size + 1, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="uint8"):
-        fmt.dequantize_blocks(torch.zeros(2, fmt.type_size, dtype=torch.int16))
+    for dtype in (torch.int8, torch.int16):
+        with pytest.raises(ValueError, match=f"{name}: .*uint8"):
+            fmt.dequantize_blocks(torch.zeros(2, fmt.type_size, dtype=dtype))
 
 
 def test_unknown_format():
@@ -175,27 +192,15 @@ def test_unknown_format():
 
 
 # ---------------------------------------------------------------------------------------------
-# valid blocks and extreme scales (formats whose float fields format_utils knows)
+# extreme finite scales (formats whose scales are floats)
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", WITH_FIELDS)
-def test_dequantize_random_valid_blocks(name):
-    fmt = hanzo_torch.get_format(name)
-    blocks = random_blocks(name, 128 if fmt.dense else 40, _gen("valid", name))
-    out = fmt.dequantize_blocks(blocks)
-    assert_bits_equal(out, gguf_dequantize(blocks, name).reshape(out.shape), name)
-    assert torch.isfinite(out).all(), f"{name}: finite scales gave non-finite values"
-
-
-@pytest.mark.parametrize("name", WITH_FIELDS)
+@pytest.mark.parametrize("name", FLOAT_SCALED)
 def test_dequantize_extreme_scales(name):
-    fmt = hanzo_torch.get_format(name)
     (kind,) = field_kinds(name)
-    base = random_blocks(name, 16, _gen("extreme", name))
+    base = random_blocks(name, 16, seeded("extreme", name))
     for bits in EXTREME_BITS[kind]:
-        blocks = with_float_fields(base, name, bits)
-        out = fmt.dequantize_blocks(blocks)
-        assert_bits_equal(out, gguf_dequantize(blocks, name).reshape(out.shape), f"{name} field={bits:#x}")
+        out = check_dequantize(with_float_fields(base, name, bits), name, what=f"field={bits:#x}")
         assert torch.isfinite(out).all()
 
 
@@ -240,7 +245,7 @@ def _tie_blocks(name: str, g: torch.Generator):
 def _quantize_cases(name: str) -> dict[str, torch.Tensor]:
     fmt = hanzo_torch.get_format(name)
     bs = fmt.block_size
-    g = _gen("quantize", name)
+    g = seeded("quantize", name)
     n = 64
     normal = torch.randn(n, bs, generator=g) * torch.exp(torch.empty(n, 1).uniform_(-12, 12, generator=g))
     cases = {
@@ -291,7 +296,7 @@ def test_quantize_matches_gguf_bytes(name):
 @pytest.mark.parametrize("name", QUANTIZABLE)
 def test_quantize_roundtrip_and_errors(name):
     fmt = hanzo_torch.get_format(name)
-    x = torch.randn(3, 2 * fmt.block_size if not fmt.dense else 10, generator=_gen("rt", name))
+    x = torch.randn(3, 2 * fmt.block_size if not fmt.dense else 10, generator=seeded("rt", name))
     q = hanzo_torch.quantize(x, name)
     assert q.shape == (3, fmt.row_bytes(x.shape[-1]))
     y = hanzo_torch.dequantize(q, name, x.shape)
@@ -350,7 +355,7 @@ def _q8_1_blocks(x: np.ndarray) -> bytes:
 
 
 def _q8_1_cases() -> dict[str, torch.Tensor]:
-    g = _gen("q8_1")
+    g = seeded("q8_1")
     ties = (torch.randint(-127, 127, (4, 64), generator=g).float() + 0.5)
     ties[:, 0] = 127.0  # amax 127 -> d = 1 exactly, every other value a tie
     ties[:, 32] = -127.0
@@ -373,7 +378,7 @@ def test_q8_1_quantize_matches_reference():
 
 def test_q8_1_agrees_with_gguf_q8_0():
     # d and qs are Q8_0's (an independent oracle); s is d * sum(qs)
-    x = torch.randn(5, 128, generator=_gen("q8_1 vs q8_0")) * 7
+    x = torch.randn(5, 128, generator=seeded("q8_1 vs q8_0")) * 7
     q = quantize_q8_1(x).reshape(-1, 36)
     ref = gguf_quantize(x, "Q8_0").reshape(-1, 34)
     assert torch.equal(q[:, 0:2], ref[:, 0:2]) and torch.equal(q[:, 4:], ref[:, 2:])
@@ -382,7 +387,7 @@ def test_q8_1_agrees_with_gguf_q8_0():
 
 
 def test_q8_1_input_dtypes_and_dequantize():
-    x = torch.randn(4, 64, generator=_gen("q8_1 dtypes"))
+    x = torch.randn(4, 64, generator=seeded("q8_1 dtypes"))
     for dt in (torch.bfloat16, torch.float16):
         xd = x.to(dt)
         assert torch.equal(quantize_q8_1(xd), quantize_q8_1(xd.float()))
@@ -417,7 +422,7 @@ def test_q8_1_errors():
 @pytest.mark.parametrize("name", ALL)
 def test_device_matches_cpu(name):
     fmt = hanzo_torch.get_format(name)
-    blocks = _random_bytes((64, fmt.type_size), _gen("device", name))
+    blocks = _random_bytes((64, fmt.type_size), seeded("device", name))
     cpu = fmt.dequantize_blocks(blocks)
     dev = fmt.dequantize_blocks(blocks.cuda())
     assert dev.device.type == "cuda"
@@ -427,5 +432,5 @@ def test_device_matches_cpu(name):
             if fmt.dense:
                 x = x.reshape(-1, 1)
             assert torch.equal(fmt.quantize_blocks(x.cuda()).cpu(), fmt.quantize_blocks(x)), (name, case)
-    x = torch.randn(3, 256, generator=_gen("device q8_1")) * 5
+    x = torch.randn(3, 256, generator=seeded("device q8_1")) * 5
     assert torch.equal(quantize_q8_1(x.cuda()).cpu(), quantize_q8_1(x))

@@ -1,18 +1,17 @@
 """i-quant, ternary and FP4 formats against their oracle, ``gguf.quants`` (numpy).
 
-Dequantization is compared bit for bit (NaN matches NaN, -0.0 differs from +0.0) on random
-valid blocks (random bytes with finite scale fields: this file knows where each format keeps
-its scales), all-zero blocks, extreme scales and rows of many blocks, on the CPU and on CUDA
-when present. TQ1_0, TQ2_0 and MXFP4 quantization is compared byte for byte, ties, zeros, tiny,
-huge and non-finite inputs included. The parity rule for the IQ2/IQ3 sign bits is checked
-against gguf's ``ksigns`` table.
+Registration, extreme fp16 scales (inf and NaN included), every byte value of the E8M0/UE4M3
+scales, and rows of many valid blocks (plus a strided view) are compared bit for bit (NaN
+matches NaN, -0.0 differs from +0.0), on the CPU and on CUDA when present; random valid, zero,
+empty and meta blocks and bad arguments are covered for every format in tests/test_formats.py
+(the scale fields of every format are listed in ``format_utils.FLOAT_FIELDS``). TQ1_0, TQ2_0
+and MXFP4 quantization is compared byte for byte, ties, zeros, tiny, huge and non-finite inputs
+included. The parity rule for the IQ2/IQ3 sign bits is checked against gguf's ``ksigns`` table.
 """
 from __future__ import annotations
 
 import platform
-import zlib
 
-import numpy as np
 import pytest
 import torch
 from gguf import quants as gguf_quants
@@ -20,79 +19,25 @@ from gguf import quants as gguf_quants
 import hanzo_torch
 from hanzo_torch.formats import dequantize, get_format, quantize
 from hanzo_torch.formats.iquants import parity_signs
-from format_utils import assert_bits_equal, gguf_dequantize, gguf_quantize
+from format_utils import (
+    EXTREME_BITS, FLOAT_FIELDS, assert_bits_equal, check_dequantize, field_kinds,
+    gguf_dequantize, gguf_quantize, random_blocks, seeded, with_float_fields,
+)
 
-# Where each format keeps its scale fields (offsets of ggml-common.h's block structs):
-#   ("f16", offset): an fp16 scale d at that byte offset;
-#   ("f16_iq1m",):   IQ1_M's fp16 d, split into the top nibbles of the 4 uint16 words at 48..55;
-#   ("e8m0", 0):     MXFP4's E8M0 exponent byte (every byte value decodes to a finite scale);
-#   ("ue4m3", 0):    NVFP4's 4 UE4M3 sub-block scales at bytes 0..3 (all byte values finite).
-SCALES = {
-    "IQ1_S": ("f16", 0),
-    "IQ1_M": ("f16_iq1m",),
-    "IQ2_XXS": ("f16", 0),
-    "IQ2_XS": ("f16", 0),
-    "IQ2_S": ("f16", 0),
-    "IQ3_XXS": ("f16", 0),
-    "IQ3_S": ("f16", 0),
-    "IQ4_NL": ("f16", 0),
-    "IQ4_XS": ("f16", 0),
-    "TQ1_0": ("f16", 52),  # after qs[48], qh[4]
-    "TQ2_0": ("f16", 64),  # after qs[64]
-    "MXFP4": ("e8m0", 0),
-    "NVFP4": ("ue4m3", 0),
-}
-OURS = [n for n in SCALES if n in hanzo_torch.FORMATS]
-F16_SCALED = [n for n in OURS if SCALES[n][0] in ("f16", "f16_iq1m")]
+# The formats of this file, in registration order (NVFP4 where the installed gguf has it).
+NAMES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+         "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+OURS = [n for n in NAMES if n in hanzo_torch.FORMATS]
+F16_SCALED = [n for n in OURS if field_kinds(n) <= {"f16", "f16_iq1m"}]  # fp16 d (IQ1_M's split in nibbles)
+BYTE_SCALED = [n for n in OURS if field_kinds(n) <= {"e8m0", "ue4m3"}]  # every byte a finite scale
 QUANTIZERS = ["TQ1_0", "TQ2_0", "MXFP4"]
 
-# fp16 bit patterns: max, -max, smallest subnormal (both signs), smallest normal, 1.0, -0.0, +inf, NaN
-EXTREME_F16 = (0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x0400, 0x3C00, 0x8000, 0x7C00, 0x7E00)
+# fp16 bit patterns: the finite extremes of format_utils (max, -max, smallest subnormal of
+# both signs, smallest normal, zero), and 1.0, -0.0, +inf, NaN (two payloads)
+EXTREME_F16 = EXTREME_BITS["f16"] + (0x3C00, 0x8000, 0x7C00, 0x7E00)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-
-
-def _gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _finite_f16_bits(n: int, g: torch.Generator) -> torch.Tensor:
-    """int64 [n] random fp16 bit patterns with a finite value (exponent field not all ones)."""
-    bits = torch.randint(0, 1 << 16, (n,), generator=g, dtype=torch.int64)
-    return torch.where((bits & 0x7C00) == 0x7C00, bits ^ 0x4000, bits)
-
-
-def _set_f16_scale(blocks: torch.Tensor, name: str, bits: torch.Tensor) -> torch.Tensor:
-    """A copy of ``blocks`` whose fp16 scale d is ``bits`` (int64 [n] or a Python int)."""
-    out = blocks.clone()
-    bits = torch.as_tensor(bits, dtype=torch.int64).expand(out.shape[0])
-    if SCALES[name][0] == "f16":
-        off = SCALES[name][1]
-        out[:, off] = (bits & 0xFF).to(torch.uint8)
-        out[:, off + 1] = (bits >> 8).to(torch.uint8)
-    else:  # IQ1_M: nibble i of d goes to bits 12..15 of the i-th uint16 word at byte 48 + 2i
-        for i in range(4):
-            hi = 48 + 2 * i + 1
-            nib = ((bits >> (4 * i)) & 0xF).to(torch.uint8)
-            out[:, hi] = (out[:, hi] & 0x0F) | (nib << 4)
-    return out
-
-
-def _valid_blocks(name: str, n: int, g: torch.Generator) -> torch.Tensor:
-    """uint8 [n, type_size]: random bytes, scale fields finite (any byte is a finite E8M0/UE4M3)."""
-    blocks = torch.randint(0, 256, (n, get_format(name).type_size), generator=g, dtype=torch.uint8)
-    if SCALES[name][0] in ("f16", "f16_iq1m"):
-        blocks = _set_f16_scale(blocks, name, _finite_f16_bits(n, g))
-    return blocks
-
-
-def _check_dequantize(blocks: torch.Tensor, name: str, device: str, what: str) -> torch.Tensor:
-    ref = gguf_dequantize(blocks, name)
-    out = get_format(name).dequantize_blocks(blocks.to(device))
-    assert out.device.type == device
-    assert_bits_equal(out, ref, f"{name} {what} on {device}")
-    return out.cpu()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,8 +47,9 @@ def _check_dequantize(blocks: torch.Tensor, name: str, device: str, what: str) -
 def test_all_formats_registered_with_gguf_sizes():
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    expected = [n for n in SCALES if n != "NVFP4"] + (["NVFP4"] if hasattr(gguf_quants, "NVFP4") else [])
+    expected = [n for n in NAMES if n != "NVFP4"] + (["NVFP4"] if hasattr(gguf_quants, "NVFP4") else [])
     assert OURS == expected
+    assert F16_SCALED + BYTE_SCALED == OURS
     for name in OURS:
         fmt = get_format(name)
         qtype = GGMLQuantizationType[name]
@@ -113,43 +59,26 @@ def test_all_formats_registered_with_gguf_sizes():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", OURS)
-def test_dequantize_random_valid_blocks(name, device):
-    blocks = _valid_blocks(name, 96, _gen("valid", name))
-    out = _check_dequantize(blocks, name, device, "random valid blocks")
-    if name in F16_SCALED:  # a finite fp16 scale times a bounded code is finite
-        assert torch.isfinite(out).all()
-    assert out.abs().amax() > 0
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", OURS)
-def test_dequantize_zero_blocks(name, device):
-    blocks = torch.zeros(3, get_format(name).type_size, dtype=torch.uint8)
-    out = _check_dequantize(blocks, name, device, "zero blocks")
-    assert not out.any()
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", F16_SCALED)
 def test_dequantize_extreme_f16_scales(name, device):
-    base = _valid_blocks(name, 16, _gen("extreme", name))
-    blocks = torch.cat([_set_f16_scale(base, name, bits) for bits in EXTREME_F16])
-    out = _check_dequantize(blocks, name, device, "extreme fp16 scales")
+    base = random_blocks(name, 16, seeded("extreme", name))
+    blocks = torch.cat([with_float_fields(base, name, bits) for bits in EXTREME_F16])
+    out = check_dequantize(blocks, name, device, "extreme fp16 scales")
     assert torch.isinf(out).any() and torch.isnan(out).any()  # the inf and NaN scales came through
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", [n for n in OURS if SCALES[n][0] in ("e8m0", "ue4m3")])
+@pytest.mark.parametrize("name", BYTE_SCALED)
 def test_dequantize_every_scale_byte(name, device):
     # every byte value in every scale position (E8M0 255 and UE4M3 0x7F/0xFF included)
     fmt = get_format(name)
-    n_scales = 1 if SCALES[name][0] == "e8m0" else 4
-    blocks = _valid_blocks(name, 256 * n_scales, _gen("scale bytes", name))
-    for pos in range(n_scales):
-        blocks[pos * 256:(pos + 1) * 256, pos] = torch.arange(256, dtype=torch.uint8)
+    offsets = [offset for offset, _ in FLOAT_FIELDS[name]]
+    assert len(offsets) == (1 if name == "MXFP4" else 4)
+    blocks = random_blocks(name, 256 * len(offsets), seeded("scale bytes", name))
+    for i, pos in enumerate(offsets):
+        blocks[i * 256:(i + 1) * 256, pos] = torch.arange(256, dtype=torch.uint8)
     assert blocks.shape[1] == fmt.type_size
-    _check_dequantize(blocks, name, device, "every scale byte")
+    check_dequantize(blocks, name, device, "every scale byte")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -157,7 +86,7 @@ def test_dequantize_every_scale_byte(name, device):
 def test_dequantize_rows_of_many_blocks(name, device):
     fmt = get_format(name)
     rows, per_row = 5, 7
-    data = _valid_blocks(name, rows * per_row, _gen("rows", name)).reshape(rows, per_row * fmt.type_size)
+    data = random_blocks(name, rows * per_row, seeded("rows", name)).reshape(rows, per_row * fmt.type_size)
     shape = (rows, per_row * fmt.block_size)
     out = dequantize(data.to(device), name, shape)
     assert_bits_equal(out, gguf_dequantize(data, name), f"{name} rows on {device}")
@@ -166,20 +95,6 @@ def test_dequantize_rows_of_many_blocks(name, device):
     wide[:, 1:1 + fmt.type_size] = data.reshape(-1, fmt.type_size)
     strided = fmt.dequantize_blocks(wide[:, 1:1 + fmt.type_size].to(device))
     assert_bits_equal(strided.reshape(shape), out, f"{name} strided on {device}")
-
-
-@pytest.mark.parametrize("name", OURS)
-def test_dequantize_blocks_shapes_and_errors(name):
-    fmt = get_format(name)
-    empty = fmt.dequantize_blocks(torch.zeros(0, fmt.type_size, dtype=torch.uint8))
-    assert empty.shape == (0, fmt.block_size) and empty.dtype == torch.float32
-    # meta tensors: shape-only, so the code has no data-dependent host step
-    meta = fmt.dequantize_blocks(torch.zeros(4, fmt.type_size, dtype=torch.uint8, device="meta"))
-    assert meta.shape == (4, fmt.block_size) and meta.dtype == torch.float32
-    with pytest.raises(ValueError, match=name):
-        fmt.dequantize_blocks(torch.zeros(2, fmt.type_size + 1, dtype=torch.uint8))
-    with pytest.raises(ValueError, match=name):
-        fmt.dequantize_blocks(torch.zeros(2, fmt.type_size, dtype=torch.int8))
 
 
 def test_parity_signs_equal_gguf_ksigns_table():
@@ -246,7 +161,7 @@ def _non_finite(k: int) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", QUANTIZERS)
 def test_quantize_matches_gguf_bytes(name, device):
-    g = _gen("quantize", name)
+    g = seeded("quantize", name)
     cases = _mxfp4_inputs(g) if name == "MXFP4" else _ternary_inputs(g)
     if X86:  # gguf's codes for inf/NaN come from numpy's float->int cast, as on x86
         cases["non-finite"] = _non_finite(get_format(name).block_size)
@@ -263,7 +178,7 @@ def test_quantize_matches_gguf_bytes(name, device):
 @pytest.mark.parametrize("name", QUANTIZERS)
 def test_quantize_rows_roundtrip(name):
     fmt = get_format(name)
-    x = torch.randn(6, 4 * fmt.block_size, generator=_gen("roundtrip", name))
+    x = torch.randn(6, 4 * fmt.block_size, generator=seeded("roundtrip", name))
     packed = quantize(x, name)
     assert packed.shape == (6, fmt.row_bytes(x.shape[1]))
     assert torch.equal(packed, gguf_quantize(x, name))
