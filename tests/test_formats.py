@@ -307,6 +307,11 @@ def test_quantize_roundtrip_and_errors(name):
     if not fmt.dense:
         with pytest.raises(ValueError, match="multiple of the block size"):
             hanzo_torch.quantize(torch.zeros(2, fmt.block_size + 1), name)
+    # quantize_blocks itself checks its [n, block_size] argument (every quantizer, dense included)
+    with pytest.raises(ValueError, match=rf"{name}: values must have shape \[n, {fmt.block_size}\]"):
+        fmt.quantize_blocks(torch.zeros(2, fmt.block_size + 1))
+    with pytest.raises(ValueError, match=f"{name}: values must be a tensor"):
+        fmt.quantize_blocks([[0.0] * fmt.block_size])
 
 
 @pytest.mark.parametrize("name", [n for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") if n in QUANTIZABLE])
