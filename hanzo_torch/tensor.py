@@ -93,8 +93,10 @@ class GGUFTensor(torch.Tensor):
         format: the :class:`~hanzo_torch.formats.Format` trait of ``qtype``.
     """
 
+    # The constructor takes the tensor fields then the metadata fields, in these orders; flatten,
+    # unflatten, pickling and copies are derived from the two lists.
     tensor_data_names = ["packed"]
-    tensor_attribute_names = ["qtype", "logical_shape", "transposed"]
+    tensor_attribute_names = ["qtype", "logical_shape", "dtype", "transposed"]
 
     packed: torch.Tensor
     qtype: str
@@ -147,14 +149,19 @@ class GGUFTensor(torch.Tensor):
         out = torch.ops.hanzo.dequantize(self.packed, self.qtype, list(self.logical_shape), dtype)
         return out.t() if self.transposed else out
 
-    def _with(self, packed=None, dtype=None, transposed=None) -> "GGUFTensor":
-        return GGUFTensor(
-            self.packed if packed is None else packed,
-            self.qtype,
-            self.logical_shape,
-            self.dtype if dtype is None else dtype,
-            self.transposed if transposed is None else transposed,
-        )
+    def _fields(self) -> tuple[list, list]:
+        return ([getattr(self, n) for n in self.tensor_data_names],
+                [getattr(self, n) for n in self.tensor_attribute_names])
+
+    def _with(self, **changes) -> "GGUFTensor":
+        """A new GGUFTensor with some fields replaced (``packed=``, ``dtype=``, ``transposed=``)."""
+        data, attrs = self._fields()
+        fields = dict(zip(self.tensor_data_names + self.tensor_attribute_names, data + attrs))
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"GGUFTensor._with: unknown fields {sorted(unknown)}")
+        fields.update(changes)
+        return GGUFTensor(*fields.values())
 
     def __repr__(self, *, tensor_contents=None) -> str:  # never prints the data
         shape = tuple(self.shape)
@@ -166,7 +173,8 @@ class GGUFTensor(torch.Tensor):
 
     # ------------------------------------------------------------------ pickling
     def __reduce_ex__(self, protocol):
-        return (_rebuild_gguf_tensor, (self.packed, self.qtype, self.logical_shape, self.dtype, self.transposed))
+        data, attrs = self._fields()
+        return (_rebuild_gguf_tensor, (*data, *attrs))
 
     def __deepcopy__(self, memo):
         out = self._with(packed=self.packed.clone())
@@ -176,16 +184,15 @@ class GGUFTensor(torch.Tensor):
     # ------------------------------------------------------------------ torch.compile
     def _stable_hash_for_caching(self) -> str:
         # AOT autograd cache key: everything but the bytes, which are a graph input
-        return (f"GGUFTensor:{self.qtype}:{self.logical_shape}:{self.dtype}:{self.transposed}:"
-                f"{tuple(self.packed.shape)}:{self.packed.device.type}")
+        attrs = ":".join(str(a) for a in self._fields()[1])
+        return f"GGUFTensor:{attrs}:{tuple(self.packed.shape)}:{self.packed.device.type}"
 
     def __tensor_flatten__(self):
-        return list(self.tensor_data_names), (self.qtype, self.logical_shape, self.dtype, self.transposed)
+        return list(self.tensor_data_names), tuple(self._fields()[1])
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
-        qtype, shape, dtype, transposed = ctx
-        return cls(inner_tensors["packed"], qtype, shape, dtype, transposed)
+        return cls(*[inner_tensors[n] for n in cls.tensor_data_names], *ctx)
 
     # ------------------------------------------------------------------ dispatch
     @classmethod
