@@ -428,3 +428,36 @@ def test_dispatch_uses_registered_kernel_and_fallback_env(monkeypatch):
     assert torch.equal(torch.ops.hanzo.mul_mat(x, w16, "F16"), Q.mul_mat_reference(x, w16, "F16"))
     monkeypatch.setenv("HANZO_MUL_MAT_FALLBACK", "1")
     assert torch.equal(torch.ops.hanzo.mul_mat(x, w, "Q8_0"), ref) and calls == ["Q8_0"]
+
+
+# ---------------------------------------------------------------------- real weights
+MODEL = "/root/.cache/hanzo-torch/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+
+
+@pytest.mark.slow
+def test_real_model_weights_numeric():
+    """mul_mat and get_rows on real Qwen2.5-Coder-1.5B Q4_K_M weights (Q4_K, Q6_K), same bounds as the
+    random-block tests. Reads the file with gguf.GGUFReader (the oracle's own reader)."""
+    import os
+
+    import gguf
+
+    if not os.path.exists(MODEL):
+        pytest.fail(f"real model missing: {MODEL}")
+    reader = gguf.GGUFReader(MODEL)
+    tensors = {t.name: t for t in reader.tensors}
+    x = torch.randn(3, 8960, generator=torch.Generator().manual_seed(20))
+    for name in ("blk.0.attn_k.weight", "blk.0.ffn_down.weight", "blk.27.ffn_up.weight"):
+        t = tensors[name]
+        w = torch.from_numpy(np.array(t.data))
+        qtype = t.tensor_type.name
+        W = gguf_dequant(w, qtype)
+        xs = x[:, : W.shape[1]].contiguous()
+        y = torch.ops.hanzo.mul_mat(xs, w, qtype)
+        err = rel_err(y, xs.double() @ W.T, xs.double().abs() @ W.abs().T)
+        assert err <= W.shape[1] * U32, (name, err)
+    t = tensors["token_embd.weight"]
+    ids = torch.tensor([0, 151935, 9707, 17])
+    rows = torch.ops.hanzo.get_rows(torch.from_numpy(np.array(t.data)), ids, t.tensor_type.name, torch.float32)
+    want = gguf_dequant(torch.from_numpy(np.array(t.data[ids.numpy()])), t.tensor_type.name).float()
+    assert torch.equal(rows, want)
