@@ -35,12 +35,10 @@ holds the ``hanzo`` ops on the ``uint8`` data.
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_map
 
 from .formats import Format, get_format
 

@@ -10,7 +10,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import hanzo_torch
 from hanzo_torch import GGUFTensor, get_format
 from hanzo_torch.serialization import METADATA_KEY, load_packed, save_packed
 
