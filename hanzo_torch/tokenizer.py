@@ -153,14 +153,14 @@ class Tokenizer:
             backend.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False), byte_level])
         backend.decoder = decoders.ByteLevel()
-        added = [AddedToken(self.tokens[i], special=(t == CONTROL), normalized=False)
-                 for i, t in enumerate(self.token_types) if t in (CONTROL, USER_DEFINED)]
-        backend.add_tokens(added)
-        for i, t in enumerate(self.token_types):
-            if t in (CONTROL, USER_DEFINED) and backend.token_to_id(self.tokens[i]) != vocab.get(self.tokens[i]):
+        added_ids = [i for i, t in enumerate(self.token_types) if t in (CONTROL, USER_DEFINED)]
+        backend.add_tokens([AddedToken(self.tokens[i], special=self.token_types[i] == CONTROL, normalized=False)
+                            for i in added_ids])
+        for i in added_ids:
+            if backend.token_to_id(self.tokens[i]) != vocab.get(self.tokens[i]):
                 raise TokenizerError(f"added token {self.tokens[i]!r} did not keep its id {i}")
         self.backend = backend
-        self.special_ids = frozenset(i for i, t in enumerate(self.token_types) if t == CONTROL)
+        self.special_ids = frozenset(i for i in added_ids if self.token_types[i] == CONTROL)
 
         eog = {tid for tid in (eos_token_id, eot_token_id, eom_token_id) if tid is not None}
         for text in _EOG_TEXTS:

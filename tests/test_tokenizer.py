@@ -255,3 +255,17 @@ def test_real_model_matches_transformers_auto_tokenizer():
         assert tok.decode(ids) == text == hf.decode(ids)
     for msgs in MESSAGE_SETS:
         assert tok.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_invalid_utf8_is_replaced_like_tokenizers():
+    tok = Tokenizer.from_gguf(_toy_metadata())
+    ids_of = {tok.tokens[i]: i for i in range(256)}
+    from hanzo_torch.tokenizer import _CHAR_TO_BYTE
+
+    byte_id = {b: ids_of[c] for c, b in _CHAR_TO_BYTE.items()}
+    for seq in ([0xF0, 0x9F, 0x8E, 0x61], [0xF0, 0x9F], [0xC3, 0x28], [0xFF, 0xFE, 0x78], [0xED, 0xA0, 0x80]):
+        ids = [byte_id[b] for b in seq]
+        text = tok.decode(ids)
+        assert text == tok.backend.decode(ids) and "\ufffd" in text  # tokenizers' lossy UTF-8
+        dec = tok.incremental_decoder()
+        assert "".join(dec.push(i) for i in ids) + dec.flush() == text
