@@ -180,6 +180,8 @@ def cmd_generate(args) -> int:
         _die(f"-n must be >= 0, got {args.n_predict}")
     model, path, load_s = _load(args)
     tok = model.tokenizer
+    if not args.quiet:
+        _err(f"model {path.name} loaded in {load_s:.2f} s on {model.device}")
     if args.chat or args.system:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": prompt_text}]
@@ -199,7 +201,6 @@ def cmd_generate(args) -> int:
     out.flush()
     if not args.quiet:
         st = stream.stats
-        _err(f"model {path.name} loaded in {load_s:.2f} s on {model.device}")
         _err(st.summary() + f" | seed {st.seed}")
     return 0
 
