@@ -24,7 +24,7 @@ from typing import Optional
 import gguf
 import numpy as np
 
-__all__ = ["TinySpec", "tiny_spec", "tokenizer_metadata", "write_tiny_gguf", "quantize_np"]
+__all__ = ["TinySpec", "tiny_spec", "tokenizer_metadata", "write_tiny_gguf", "pack"]
 
 
 @dataclass
@@ -43,8 +43,10 @@ class TinySpec:
     rope_theta: float = 1_000_000.0
     eps: float = 1e-6
     tied: bool = True  # no output.weight: the LM head reuses token_embd
-    # ggml format per tensor role ("embd", "output", "attn", "ffn", "ffn_down", "router")
+    # ggml format per tensor role ("embd", "output", "attn", "ffn", "ffn_down", "router"), F32 when
+    # absent; layer_qtypes[i] overrides the roles of layer i.
     qtypes: dict = field(default_factory=dict)
+    layer_qtypes: dict = field(default_factory=dict)
     seed: int = 0
 
 
@@ -65,23 +67,47 @@ def tiny_spec(arch: str, **kw) -> TinySpec:
     return spec
 
 
-def quantize_np(x: np.ndarray, qtype: str) -> np.ndarray:
-    """Pack a float32 array ``[..., K]`` into ggml blocks: ``uint8 [..., row_bytes]``.
+def pack(x: np.ndarray, qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Packed ggml rows of format ``qtype`` for a float32 weight ``x [..., K]``: ``uint8 [..., row_bytes]``.
 
-    Uses ``gguf.quants.quantize`` where the gguf package can quantize the format, else
-    ``hanzo_torch.quantize`` (e.g. the K-quants). F32 returns ``x`` unchanged.
+    Where a quantizer exists (``gguf.quants.quantize``, else ``hanzo_torch.quantize``) the result
+    encodes ``x``. Otherwise (the K-quants today) it is random blocks (random quants and sub-block
+    scales) whose fp16 super-block scales are set so the values have ``x``'s root mean
+    square: the test needs weights of a sane scale in that format, not ``x`` itself. F32
+    returns ``x``.
     """
     qt = gguf.GGMLQuantizationType[qtype]
+    x = np.ascontiguousarray(x, dtype=np.float32)
     if qt == gguf.GGMLQuantizationType.F32:
-        return np.ascontiguousarray(x, dtype=np.float32)
+        return x
     try:
-        return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qt)
+        return gguf.quants.quantize(x, qt)
     except NotImplementedError:
-        import torch
+        pass
+    import torch
 
-        import hanzo_torch
+    import hanzo_torch
 
-        return hanzo_torch.quantize(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), qtype).numpy()
+    fmt = hanzo_torch.get_format(qtype)
+    if fmt.quantize_blocks is not None:
+        return hanzo_torch.quantize(torch.from_numpy(x), qtype).numpy()
+    from tests.format_utils import FLOAT_FIELDS
+
+    n_blocks = x.size // fmt.block_size
+    blocks = rng.integers(0, 256, (n_blocks, fmt.type_size), dtype=np.uint8)
+
+    def set_scales(value: float) -> None:
+        bits = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+        for offset, kind in FLOAT_FIELDS[qtype]:
+            if kind != "f16":
+                raise NotImplementedError(f"pack: no quantizer for {qtype} and its scale field is {kind}")
+            blocks[:, offset : offset + 2] = bits
+
+    set_scales(1.0)
+    sample = gguf.quants.dequantize(blocks[:4096], qt)  # enough blocks for the rms to 1%
+    unit_rms = float(np.sqrt(np.mean(np.square(sample))))
+    set_scales(float(np.sqrt(np.mean(np.square(x)))) / unit_rms)
+    return blocks.reshape(*x.shape[:-1], -1)
 
 
 def tokenizer_metadata(full: bool = True) -> dict:
@@ -102,12 +128,17 @@ def tokenizer_metadata(full: bool = True) -> dict:
     return meta
 
 
-def write_tiny_gguf(path: str | os.PathLike, spec: TinySpec, tokenizer_meta: Optional[dict] = None) -> str:
+def write_tiny_gguf(path: str | os.PathLike, spec: TinySpec, tokenizer_meta: Optional[dict] = None,
+                    dense_twin: bool = False) -> str:
     """Write a random-weight GGUF of ``spec`` to ``path`` and return the path.
 
-    Weights: token_embd ~ N(0, 1); projections ~ N(0, 1/K) (so attention and FFN outputs are
-    comparable to the residual and the context changes the logits); norm weights 1 + N(0, 0.1);
-    Qwen2 q/k/v biases N(0, 0.5). Vocabulary size = number of tokenizer tokens.
+    Weights before packing: token_embd ~ N(0, 1); projections ~ N(0, 1/K) (attention and FFN
+    outputs are comparable to the residual, so the context changes the logits); norm weights
+    1 + N(0, 0.1); Qwen2 q/k/v biases N(0, 0.5). The vocabulary size is the token count.
+
+    ``dense_twin=True`` writes the same model with every tensor as F32 holding the exact
+    ``gguf.quants.dequantize`` of the packed tensor the call without it writes (same seed): a
+    float32 oracle (e.g. for transformers) of the packed file.
     """
     from tests.qwen_vocab import add_tokenizer_metadata
 
@@ -115,8 +146,6 @@ def write_tiny_gguf(path: str | os.PathLike, spec: TinySpec, tokenizer_meta: Opt
     n_vocab = len(meta["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(spec.seed)
     a, H, D = spec.arch, spec.hidden, spec.head_dim
-    q = {"embd": "F32", "output": "F32", "attn": "F32", "ffn": "F32", "ffn_down": "F32", "router": "F32"}
-    q.update(spec.qtypes)
 
     w = gguf.GGUFWriter(os.fspath(path), a)
     w.add_name(f"tiny-random-{a}")
@@ -136,16 +165,23 @@ def write_tiny_gguf(path: str | os.PathLike, spec: TinySpec, tokenizer_meta: Opt
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(spec.n_expert_used)
         w.add_expert_feed_forward_length(spec.expert_ffn)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if set(q.values()) == {"F32"} else gguf.LlamaFileType.GUESSED)
+    all_f32 = dense_twin or not any(
+        q != "F32" for d in (spec.qtypes, *spec.layer_qtypes.values()) for q in d.values()
+    )
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if all_f32 else gguf.LlamaFileType.GUESSED)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer_metadata(w, meta)
 
     def randn(*shape, std=1.0):
         return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
 
-    def tensor(name, x, role=None):
-        qt = q[role] if role else "F32"
-        w.add_tensor(name, quantize_np(x, qt), raw_dtype=gguf.GGMLQuantizationType[qt])
+    def tensor(name, x, role=None, layer=None):
+        roles = {**spec.qtypes, **spec.layer_qtypes.get(layer, {})}
+        qt = roles.get(role, "F32") if role else "F32"
+        data = pack(x, qt, rng)
+        if dense_twin and qt != "F32":
+            data, qt = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qt]).astype(np.float32), "F32"
+        w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[qt])
 
     def norm(n):
         return 1.0 + randn(n, std=0.1)
@@ -158,9 +194,9 @@ def write_tiny_gguf(path: str | os.PathLike, spec: TinySpec, tokenizer_meta: Opt
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         tensor(p + "attn_norm.weight", norm(H))
-        tensor(p + "attn_q.weight", randn(Hq, H, std=H**-0.5), "attn")
-        tensor(p + "attn_k.weight", randn(Hk, H, std=H**-0.5), "attn")
-        tensor(p + "attn_v.weight", randn(Hk, H, std=H**-0.5), "attn")
+        tensor(p + "attn_q.weight", randn(Hq, H, std=H**-0.5), "attn", i)
+        tensor(p + "attn_k.weight", randn(Hk, H, std=H**-0.5), "attn", i)
+        tensor(p + "attn_v.weight", randn(Hk, H, std=H**-0.5), "attn", i)
         if a == "qwen2":
             tensor(p + "attn_q.bias", randn(Hq, std=0.5))
             tensor(p + "attn_k.bias", randn(Hk, std=0.5))
@@ -168,19 +204,19 @@ def write_tiny_gguf(path: str | os.PathLike, spec: TinySpec, tokenizer_meta: Opt
         if a in ("qwen3", "qwen3moe"):
             tensor(p + "attn_q_norm.weight", norm(D))
             tensor(p + "attn_k_norm.weight", norm(D))
-        tensor(p + "attn_output.weight", randn(H, Hq, std=Hq**-0.5), "attn")
+        tensor(p + "attn_output.weight", randn(H, Hq, std=Hq**-0.5), "attn", i)
         tensor(p + "ffn_norm.weight", norm(H))
         if spec.n_expert:
             E, F = spec.n_expert, spec.expert_ffn
-            tensor(p + "ffn_gate_inp.weight", randn(E, H, std=H**-0.5), "router")
-            tensor(p + "ffn_gate_exps.weight", randn(E, F, H, std=H**-0.5), "ffn")
-            tensor(p + "ffn_up_exps.weight", randn(E, F, H, std=H**-0.5), "ffn")
-            tensor(p + "ffn_down_exps.weight", randn(E, H, F, std=F**-0.5), "ffn_down")
+            tensor(p + "ffn_gate_inp.weight", randn(E, H, std=H**-0.5), "router", i)
+            tensor(p + "ffn_gate_exps.weight", randn(E, F, H, std=H**-0.5), "ffn", i)
+            tensor(p + "ffn_up_exps.weight", randn(E, F, H, std=H**-0.5), "ffn", i)
+            tensor(p + "ffn_down_exps.weight", randn(E, H, F, std=F**-0.5), "ffn_down", i)
         else:
             F = spec.ffn
-            tensor(p + "ffn_gate.weight", randn(F, H, std=H**-0.5), "ffn")
-            tensor(p + "ffn_up.weight", randn(F, H, std=H**-0.5), "ffn")
-            tensor(p + "ffn_down.weight", randn(H, F, std=F**-0.5), "ffn_down")
+            tensor(p + "ffn_gate.weight", randn(F, H, std=H**-0.5), "ffn", i)
+            tensor(p + "ffn_up.weight", randn(F, H, std=H**-0.5), "ffn", i)
+            tensor(p + "ffn_down.weight", randn(H, F, std=F**-0.5), "ffn_down", i)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

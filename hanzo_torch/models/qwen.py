@@ -129,6 +129,23 @@ class Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
 
 
+class Linear(nn.Module):
+    """``y = x @ weight^T (+ bias)``: ``nn.Linear`` without its random init (which costs seconds on
+    the meta device). ``weight`` is a :class:`~hanzo_torch.GGUFTensor`, so ``F.linear`` runs
+    ``hanzo::mul_mat`` on the packed rows."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, bias={self.bias is not None}"
+
+
 class Block(nn.Module):
     """One decoder layer: attention and a dense or MoE SwiGLU feed-forward, pre-norm residuals."""
 
@@ -137,24 +154,24 @@ class Block(nn.Module):
         self.args = args
         H, D, Hq, Hk = args.dim, args.head_dim, args.n_head, args.n_head_kv
         self.attn_norm = Weight(H)
-        self.attn_q = nn.Linear(H, Hq * D, bias=args.qkv_bias)
-        self.attn_k = nn.Linear(H, Hk * D, bias=args.qkv_bias)
-        self.attn_v = nn.Linear(H, Hk * D, bias=args.qkv_bias)
+        self.attn_q = Linear(H, Hq * D, bias=args.qkv_bias)
+        self.attn_k = Linear(H, Hk * D, bias=args.qkv_bias)
+        self.attn_v = Linear(H, Hk * D, bias=args.qkv_bias)
         if args.qk_norm:
             self.attn_q_norm = Weight(D)
             self.attn_k_norm = Weight(D)
-        self.attn_output = nn.Linear(Hq * D, H, bias=False)
+        self.attn_output = Linear(Hq * D, H, bias=False)
         self.ffn_norm = Weight(H)
         if args.moe:
             E, Fe = args.n_expert, args.expert_ffn_dim
-            self.ffn_gate_inp = nn.Linear(H, E, bias=False)
+            self.ffn_gate_inp = Linear(H, E, bias=False)
             self.ffn_gate_exps = Weight(E, Fe, H)
             self.ffn_up_exps = Weight(E, Fe, H)
             self.ffn_down_exps = Weight(E, H, Fe)
         else:
-            self.ffn_gate = nn.Linear(H, args.ffn_dim, bias=False)
-            self.ffn_up = nn.Linear(H, args.ffn_dim, bias=False)
-            self.ffn_down = nn.Linear(args.ffn_dim, H, bias=False)
+            self.ffn_gate = Linear(H, args.ffn_dim, bias=False)
+            self.ffn_up = Linear(H, args.ffn_dim, bias=False)
+            self.ffn_down = Linear(args.ffn_dim, H, bias=False)
         self.register_buffer("k_cache", None, persistent=False)  # [B, S, Hk, D], set by Transformer.setup_cache
         self.register_buffer("v_cache", None, persistent=False)
         self.attn_impl = "auto"
@@ -209,10 +226,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.max_context = max_context
-        self.token_embd = nn.Embedding(args.vocab_size, args.dim)
+        self.token_embd = Weight(args.vocab_size, args.dim)
         self.blk = nn.ModuleList(Block(args) for _ in range(args.n_layer))
         self.output_norm = Weight(args.dim)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         self.cache_batch_size = 0  # batch size the KV caches are allocated for (0: none yet)
         self.seq_len = 0  # tokens fed since reset() (host-side; None when unknown)
         self.gguf = None  # the GGUFFile the weights are mapped from (set by load)
@@ -238,9 +255,12 @@ class Transformer(nn.Module):
         shape = (batch_size, self.max_context, a.n_head_kv, a.head_dim)
         for blk in self.blk:
             blk.k_cache = blk.v_cache = None
-        for blk in self.blk:
-            blk.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            blk.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # zeros, not empty: masked slots get probability 0, and 0 * NaN garbage would be NaN.
+        # Normal tensors even under inference_mode, so a later no_grad call may write them.
+        with torch.inference_mode(False):
+            for blk in self.blk:
+                blk.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                blk.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cache_batch_size = batch_size
         self.seq_len = 0
 
