@@ -65,6 +65,21 @@ def test_triton_kernels_under_interpreter():
     print(f"interpreter cases: {proc.stdout.strip().splitlines()[-1]} ({time.monotonic() - t0:.1f} s)")
 
 
+@pytest.mark.slow
+def test_kernels_compile_for_cuda_and_rocm():
+    """Ahead-of-time compile (no GPU needed) of every kernel for sm_90 and gfx942, two formats."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                          "triton_gpu_check.py")
+    proc = subprocess.run([sys.executable, script, "--aot", "--formats", "Q4_K,IQ2_XXS"],
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "AOT check: 0 failure(s)" in out, out[-4000:]
+    assert "<-- spills" not in out, out[-4000:]
+
+
+PARENT_TESTS = ("test_triton_kernels_under_interpreter", "test_kernels_compile_for_cuda_and_rocm")
+
+
 @pytest.fixture(scope="module")
 def tk():
     """Namespace with the kernel modules (formats, quant, fused), verified to be interpreted."""
@@ -217,9 +232,10 @@ def test_mul_mat_leading_dims_and_errors(tk):
 
 # ------------------------------------------------------------------------------- mul_mat_id
 
-@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K", "Q8_0", "IQ3_S", "MXFP4"))
-@pytest.mark.parametrize("T", (2, 12))
-@pytest.mark.parametrize("x_rank", (2, 3))
+@pytest.mark.parametrize("qtype,T,x_rank", [
+    ("Q4_K", 2, 2), ("Q4_K", 2, 3), ("Q4_K", 12, 2), ("Q4_K", 12, 3), ("Q6_K", 2, 2), ("Q6_K", 12, 3),
+    ("Q8_0", 2, 3), ("Q8_0", 12, 2), ("IQ3_S", 12, 2), ("MXFP4", 2, 2),
+])  # T = 2: decode mat-vec over all slots; T = 12: grouped-by-expert GEMM
 def test_mul_mat_id_numeric(tk, qtype, T, x_rank):
     qk = tk.formats.format_info(qtype)[1]
     E, N, K, k = 4, 10, max(qk, 64), 2
@@ -416,6 +432,55 @@ def test_ops_dispatch_to_triton_and_fallback_toggle(tk, triton_on_cpu, monkeypat
     assert _common.kernel_for("rms_norm", "cpu") is None
 
 
+def test_every_op_body_runs_its_triton_kernel(tk, triton_on_cpu):
+    # The op bodies (torch.ops.hanzo.*) call the registered kernels with their own argument
+    # order; each op is run once through its kernel and compared with its reference.
+    called = []
+    for (op, dev), entries in _common._KERNELS.items():
+        if dev == "cpu":
+            qtypes, fn = entries[0]
+
+            def spy(*a, _fn=fn, _op=op):
+                called.append(_op)
+                return _fn(*a)
+
+            entries[0] = (qtypes, spy)
+    g = torch.Generator().manual_seed(18)
+    ops, rq, rf = torch.ops.hanzo, ref_quant, ref_fused
+    w = random_packed("Q4_K", (6, 256), seed=18)
+    we = random_packed("Q4_K", (3, 6, 256), seed=19)
+    x = torch.randn(2, 256, generator=g)
+    ids = torch.tensor([[0, 2], [1, 1]])
+    close = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.dequantize(w, "Q4_K", [6, 256], torch.float32),
+                               rq.dequantize_reference(w, "Q4_K", [6, 256], torch.float32), rtol=0, atol=0)
+    assert torch.equal(ops.quantize_q8_1(x), rq.quantize_q8_1_reference(x))
+    torch.testing.assert_close(ops.mul_mat(x, w, "Q4_K"), rq.mul_mat_reference(x, w, "Q4_K"), **close)
+    torch.testing.assert_close(ops.mul_mat_id(x, we, ids, "Q4_K"), rq.mul_mat_id_reference(x, we, ids, "Q4_K"), **close)
+    torch.testing.assert_close(ops.get_rows(w, ids, "Q4_K", torch.float32),
+                               rq.get_rows_reference(w, ids, "Q4_K", torch.float32), rtol=0, atol=0)
+    h, r, nw = torch.randn(3, 32, generator=g), torch.randn(3, 32, generator=g), torch.randn(32, generator=g)
+    torch.testing.assert_close(ops.rms_norm(h, nw, 1e-6), rf.rms_norm_reference(h, nw, 1e-6), **close)
+    for a, b in zip(ops.add_rms_norm(h, r, nw, 1e-6), rf.add_rms_norm_reference(h, r, nw, 1e-6)):
+        torch.testing.assert_close(a, b, **close)
+    torch.testing.assert_close(ops.swiglu(h, r), rf.swiglu_reference(h, r), **close)
+    for a, b in zip(ops.moe_route(h, 2, True), rf.moe_route_reference(h, 2, True)):
+        torch.testing.assert_close(a, b, **close)
+    q, k = torch.randn(1, 2, 2, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g)
+    pos = torch.tensor([[3, 4]])
+    for a, b in zip(ops.qk_norm_rope(q, k, None, None, pos, 1e4, 1e-6),
+                    rf.qk_norm_rope_reference(q, k, None, None, pos, 1e4, 1e-6)):
+        torch.testing.assert_close(a, b, **close)
+    kc, vc = torch.zeros(1, 8, 1, 16), torch.zeros(1, 8, 1, 16)
+    ops.kv_cache_write(kc, vc, k, k, pos)
+    assert torch.equal(kc[0, 3:5], k[0]) and torch.equal(vc[0, 3:5], k[0])
+    torch.testing.assert_close(ops.attention(q, kc, vc, pos, 0.25, "auto"),
+                               rf.attention_reference(q, kc, vc, pos, 0.25, "auto"), **close)
+    import hanzo_torch.ops.triton as backend
+
+    assert sorted(set(called)) == sorted(backend.QUANT_OPS + backend.PLAIN_OPS)
+
+
 def test_registration_covers_every_op_and_format(tk, triton_on_cpu):
     import hanzo_torch.ops.triton as backend
 
@@ -426,9 +491,6 @@ def test_registration_covers_every_op_and_format(tk, triton_on_cpu):
     assert {"Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "F16", "BF16", "F32", "IQ2_XXS", "TQ1_0", "MXFP4"} <= set(ALL_FORMATS)
 
 
-if not _CHILD:
-    # Parent process: only the test that runs the child is collected (see the module docstring).
-    for _name in [n for n in list(globals()) if n.startswith("test_") and n != "test_triton_kernels_under_interpreter"]:
-        del globals()[_name]
-else:
-    del test_triton_kernels_under_interpreter
+# Parent process: only the tests that start subprocesses are collected; child: only the cases.
+for _name in [n for n in list(globals()) if n.startswith("test_") and (n in PARENT_TESTS) == _CHILD]:
+    del globals()[_name]
