@@ -144,6 +144,9 @@ def format_table(qtype: str, device: torch.device) -> torch.Tensor:
     key = (name, str(device))
     t = _TABLE_CACHE.get(key)
     if t is None:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{name}: the format table must reach the device before CUDA-graph capture; "
+                               "run the op once eagerly (warm-up) first")
         t = _table_host(name).to(device)
         _TABLE_CACHE[key] = t
     return t

@@ -157,7 +157,9 @@ def _inv_freq(D: int, theta: float, device: torch.device) -> torch.Tensor:
     if t is None:
         exponent = torch.arange(0, D, 2, device=device, dtype=torch.int64).float() / D
         t = (1.0 / (theta ** exponent)).contiguous()
-        _INV_FREQ[key] = t
+        # a tensor made during CUDA-graph capture lives in the graph's pool: never cache it
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _INV_FREQ[key] = t
     return t
 
 
