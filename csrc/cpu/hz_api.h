@@ -11,6 +11,7 @@ struct HzAct {
     const int8_t* q;
     const float* d;
     const int16_t* s;
+    const float* sf;  // d * s as float, [M][K/16] (the min terms of the GEMM use it)
     int64_t K;
     int64_t qa;
 };
@@ -21,13 +22,14 @@ typedef void (*hz_matmul_fn)(const uint8_t* W, int64_t row_bytes, int64_t n0, in
 // One packed row of K values -> float32.
 typedef void (*hz_dequant_fn)(const uint8_t* row, int64_t K, float* out);
 // Rows [0, M) of x (f32, row stride K) -> int8 activation blocks of qa values.
-typedef void (*hz_quant_fn)(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s);
+typedef void (*hz_quant_fn)(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s, float* sf);
 
 struct HzFormatKernels {
     int type_id, qk, bytes;
     hz_matmul_fn matvec;  // small M: reads each weight block once per 4 activation rows
     hz_matmul_fn gemm;    // large M: unpacks weight tiles once, register-blocked int8 tiles
     hz_dequant_fn dequant_row;
+    int gemm_nr;          // weight rows per GEMM register tile (thread chunks are multiples of it)
 };
 struct HzIsa {
     const char* name;

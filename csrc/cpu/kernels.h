@@ -64,7 +64,7 @@ static void dequant_row(const uint8_t* row, int64_t K, float* out) {
     }
 }
 
-static void quantize_scalar(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s) {
+static void quantize_scalar(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s, float* sf) {
     for (int64_t m = 0; m < M; ++m)
         for (int64_t b = 0; b < K / qa; ++b) {
             const float* xb = x + m * K + b * qa;
@@ -78,6 +78,7 @@ static void quantize_scalar(const float* x, int64_t M, int64_t K, int64_t qa, in
                 int sum = 0;
                 for (int i = 0; i < 16; ++i) sum += qb[16 * g + i];
                 s[m * (K / 16) + b * (qa / 16) + g] = (int16_t)sum;
+                sf[m * (K / 16) + b * (qa / 16) + g] = d[m * (K / qa) + b] * (float)sum;
             }
         }
 }
@@ -109,6 +110,22 @@ static inline __m256i dot_acc(__m256i acc, __m256i q, __m256i x, __m256i s16) {
 #endif
 }
 // int16 scale vector for 32-value chunk c of a 256-block: group 2c in the low lane, 2c+1 high.
+// Fast form: slo/shi hold groups 0-7 / 8-15 in both lanes (2 ops per block), then one in-lane
+// byte shuffle per chunk picks the chunk's two groups.
+struct ScaleLanes { __m256i lo, hi; };
+static inline ScaleLanes scale_lanes(__m256i sc16) {
+    return ScaleLanes{_mm256_permute2x128_si256(sc16, sc16, 0x00), _mm256_permute2x128_si256(sc16, sc16, 0x11)};
+}
+alignas(32) static const uint8_t hz_scale_masks[4][32] = {
+#define HZ_M(e) (uint8_t)(2 * (e)), (uint8_t)(2 * (e) + 1)
+#define HZ_M8(e) HZ_M(e), HZ_M(e), HZ_M(e), HZ_M(e), HZ_M(e), HZ_M(e), HZ_M(e), HZ_M(e)
+    {HZ_M8(0), HZ_M8(1)}, {HZ_M8(2), HZ_M8(3)}, {HZ_M8(4), HZ_M8(5)}, {HZ_M8(6), HZ_M8(7)},
+#undef HZ_M8
+#undef HZ_M
+};
+static inline __m256i scvec_fast(const ScaleLanes& sl, int c) {
+    return _mm256_shuffle_epi8(c < 4 ? sl.lo : sl.hi, _mm256_load_si256((const __m256i*)hz_scale_masks[c & 3]));
+}
 static inline __m256i scvec(__m256i sc16, int c) {
     __m256i v = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(c));
     return _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
@@ -268,9 +285,10 @@ static void matvec_tile(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
             } else {
                 __m256i is[MR];
                 for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
+                const ScaleLanes sl = scale_lanes(p.sc16);
                 for (int c = 0; c < T::QK / 32; ++c) {
                     __m256i q = H::chunk(blk, p, c);
-                    __m256i s = scvec(p.sc16, c);
+                    __m256i s = scvec_fast(sl, c);
                     for (int m = 0; m < MR; ++m)
                         is[m] = dot_acc<H::SIGNED>(is[m], q, _mm256_loadu_si256((const __m256i*)(xq[m] + b * T::QK + 32 * c)), s);
                 }
@@ -306,10 +324,10 @@ static void matvec_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
 // rows of an M block with an MR x NR register tile of int32 accumulators.
 #if HZ_ISA >= 2
 #define HZ_GEMM_MR 4
-#define HZ_GEMM_NR 2
+#define HZ_GEMM_NR 3
 #else
-#define HZ_GEMM_MR 2
-#define HZ_GEMM_NR 2
+#define HZ_GEMM_MR 3
+#define HZ_GEMM_NR 3
 #endif
 static const int64_t HZ_KC = 2048;  // K panel (values): NR*KC bytes of weights stay in L1
 static const int64_t HZ_MC = 64;    // M block (rows): MC*KC activation bytes stay in L2
@@ -325,7 +343,7 @@ static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
     // per-thread scratch: NR rows x KB blocks
     __m256i* qbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB * NC);
     __m256i* sbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB * NC);
-    __m256i* mbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB);
+    __m256* mbuf = (__m256*)aligned_alloc(32, sizeof(__m256) * NR * KB * 2);  // dmin * mn per 16, as float
     float* dbuf = (float*)aligned_alloc(32, sizeof(float) * ((NR * KB * 2 + 7) / 8 * 8));
     float* dmbuf = dbuf + NR * KB;
     const __m256i ones = _mm256_load_si256(hz_ones16());
@@ -347,15 +365,19 @@ static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
                         }
                         dbuf[r * KB + b] = p.d;
                         dmbuf[r * KB + b] = p.dmin;
-                        if constexpr (K256 && H::HAS_MIN) mbuf[r * KB + b] = p.mn16;
+                        if constexpr (K256 && H::HAS_MIN) {
+                            const __m256 dm = _mm256_set1_ps(p.dmin);
+                            mbuf[(r * KB + b) * 2] = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(p.mn16))));
+                            mbuf[(r * KB + b) * 2 + 1] = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(p.mn16, 1))));
+                        }
                     }
                 }
                 for (int64_t mt = mc; mt < me; mt += MR) {
                     const int mr = (int)hz_min<int64_t>(MR, me - mt);
-                    const int8_t* xq[MR]; const float* xd[MR]; const int16_t* xs[MR];
+                    const int8_t* xq[MR]; const float* xd[MR]; const float* xs[MR];
                     for (int m = 0; m < MR; ++m) {
                         int64_t mm = mt + (m < mr ? m : mr - 1);
-                        xq[m] = a->q + mm * K + kp * T::QK; xd[m] = a->d + mm * nb + kp; xs[m] = a->s + mm * (K / 16) + kp * (T::QK / 16);
+                        xq[m] = a->q + mm * K + kp * T::QK; xd[m] = a->d + mm * nb + kp; xs[m] = a->sf + mm * (K / 16) + kp * (T::QK / 16);
                     }
                     __m256 acc[MR][NR];
                     float accs[MR][NR];
@@ -380,10 +402,10 @@ static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
                                 acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m][r]), _mm256_set1_ps(dbuf[r * KB + b] * dx), acc[m][r]);
                                 if constexpr (H::HAS_MIN) {
                                     if constexpr (K256) {
-                                        __m256i mm = _mm256_madd_epi16(mbuf[r * KB + b], _mm256_loadu_si256((const __m256i*)(xs[m] + b * 16)));
-                                        acc[m][r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(dmbuf[r * KB + b] * dx), acc[m][r]);
+                                        acc[m][r] = _mm256_fnmadd_ps(mbuf[(r * KB + b) * 2], _mm256_loadu_ps(xs[m] + b * 16), acc[m][r]);
+                                        acc[m][r] = _mm256_fnmadd_ps(mbuf[(r * KB + b) * 2 + 1], _mm256_loadu_ps(xs[m] + b * 16 + 8), acc[m][r]);
                                     } else {
-                                        accs[m][r] += dmbuf[r * KB + b] * dx * (float)(xs[m][2 * b] + xs[m][2 * b + 1]);
+                                        accs[m][r] += dmbuf[r * KB + b] * (xs[m][2 * b] + xs[m][2 * b + 1]);
                                     }
                                 }
                             }
@@ -402,7 +424,7 @@ static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
     free(qbuf); free(sbuf); free(mbuf); free(dbuf);
 }
 
-static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s) {
+static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s, float* sf) {
     const __m256 signbit = _mm256_set1_ps(-0.f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t m = 0; m < M; ++m)
@@ -419,6 +441,8 @@ static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8
             const __m256 vid = _mm256_set1_ps(id);
             int8_t* qb = q + m * K + b * qa;
             int16_t* sb = s + m * (K / 16) + b * (qa / 16);
+            float* sfb = sf + m * (K / 16) + b * (qa / 16);
+            const float dq = amax / 127.f;
             for (int64_t i = 0; i < qa; i += 32) {
                 __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vid));
                 __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), vid));
@@ -426,6 +450,8 @@ static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8
                 __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 24), vid));
                 sb[i / 16] = (int16_t)hsum8i(_mm256_add_epi32(i0, i1));
                 sb[i / 16 + 1] = (int16_t)hsum8i(_mm256_add_epi32(i2, i3));
+                sfb[i / 16] = dq * (float)sb[i / 16];
+                sfb[i / 16 + 1] = dq * (float)sb[i / 16 + 1];
                 __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
                 _mm256_storeu_si256((__m256i*)(qb + i), _mm256_permutevar8x32_epi32(p, perm));
             }
@@ -435,10 +461,10 @@ static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8
 
 // ------------------------------------------------------------------------------ tables
 #if HZ_ISA >= 1
-#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matvec_simd<T>, &gemm_simd<T>, &dequant_row<T>},
+#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matvec_simd<T>, &gemm_simd<T>, &dequant_row<T>, HZ_GEMM_NR},
 #define HZ_QUANT quantize_simd
 #else
-#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matmul_scalar<T>, &matmul_scalar<T>, &dequant_row<T>},
+#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matmul_scalar<T>, &matmul_scalar<T>, &dequant_row<T>, 1},
 #define HZ_QUANT quantize_scalar
 #endif
 static const HzFormatKernels hz_format_table[] = {HZ_FOR_EACH_FORMAT(HZ_ENTRY)};

@@ -3,6 +3,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -61,7 +63,7 @@ void check_grid(int64_t type_id) {
 }
 
 struct QuantAct {
-    torch::Tensor q, d, s;
+    torch::Tensor q, d, s, sf;
     HzAct view;
 };
 
@@ -71,30 +73,44 @@ QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
     r.q = torch::empty({M, K}, torch::kInt8);
     r.d = torch::empty({M, K / qa}, torch::kFloat32);
     r.s = torch::empty({M, K / 16}, torch::kInt16);
+    r.sf = torch::empty({M, K / 16}, torch::kFloat32);
     const float* x = x2.data_ptr<float>();
     int8_t* q = r.q.data_ptr<int8_t>();
     float* d = r.d.data_ptr<float>();
     int16_t* s = r.s.data_ptr<int16_t>();
+    float* sf = r.sf.data_ptr<float>();
     auto fn = isa->quantize;
     auto body = [&](int64_t m0, int64_t m1) {
-        fn(x + m0 * K, m1 - m0, K, qa, q + m0 * K, d + m0 * (K / qa), s + m0 * (K / 16));
+        fn(x + m0 * K, m1 - m0, K, qa, q + m0 * K, d + m0 * (K / qa), s + m0 * (K / 16), sf + m0 * (K / 16));
     };
     if (M * K >= 65536) at::parallel_for(0, M, 1, body); else body(0, M);
-    r.view = HzAct{q, d, s, K, qa};
+    r.view = HzAct{q, d, s, sf, K, qa};
     return r;
 }
 
-// Rows of W are split over threads; each call handles all M activation rows.
+// Rows of W are split over threads in chunks taken from a shared counter (dynamic schedule):
+// on a loaded machine a descheduled thread delays only its current chunk, not half the op.
 void run_matmul(const HzFormatKernels& fk, const uint8_t* W, int64_t rb, int64_t N, const HzAct& a, int64_t M,
                 float* y, int64_t ldy, int64_t mv_max) {
     const bool mv = M <= mv_max;
     hz_matmul_fn fn = mv ? fk.matvec : fk.gemm;
-    const int64_t tile = mv ? 1 : 2;  // gemm works on pairs of rows (NR)
+    const int64_t tile = mv ? 1 : fk.gemm_nr;  // the GEMM works on NR weight rows at a time
     const int64_t ntiles = (N + tile - 1) / tile;
-    // Grain: at least ~64 KiB of weights per task so small ops do not pay thread wake-ups.
-    const int64_t grain = std::max<int64_t>(1, (65536 / std::max<int64_t>(rb, 1)) / tile);
-    at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
-        fn(W, rb, t0 * tile, std::min(N, t1 * tile), &a, M, y, ldy);
+    const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
+    // Chunk: ~32 KiB of weights (mat-vec) or 16 row pairs (GEMM), and at least 4 chunks per thread.
+    int64_t chunk = mv ? std::max<int64_t>(1, 32768 / std::max<int64_t>(rb, 1)) : 16;
+    chunk = std::max<int64_t>(1, std::min<int64_t>(chunk, ntiles / (4 * nth)));
+    if (nth == 1 || ntiles * rb * tile < 65536) {  // small op: no thread wake-ups
+        fn(W, rb, 0, N, &a, M, y, ldy);
+        return;
+    }
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
+        for (;;) {
+            const int64_t t0 = next.fetch_add(chunk);
+            if (t0 >= ntiles) break;
+            fn(W, rb, t0 * tile, std::min(N, (t0 + chunk) * tile), &a, M, y, ldy);
+        }
     });
 }
 
@@ -165,14 +181,16 @@ torch::Tensor mul_mat_id(torch::Tensor x, torch::Tensor w, torch::Tensor ids, in
         if (r.empty()) continue;
         const int64_t c = (int64_t)r.size();
         torch::Tensor gq = torch::empty({c, K}, torch::kInt8), gd = torch::empty({c, nbq}, torch::kFloat32),
-                      gs = torch::empty({c, K / 16}, torch::kInt16), gy = torch::empty({c, N}, torch::kFloat32);
+                      gs = torch::empty({c, K / 16}, torch::kInt16), gsf = torch::empty({c, K / 16}, torch::kFloat32),
+                      gy = torch::empty({c, N}, torch::kFloat32);
         for (int64_t j = 0; j < c; ++j) {
             const int64_t src = kx == 1 ? r[j] / k : r[j];
             memcpy(gq.data_ptr<int8_t>() + j * K, qa.view.q + src * K, K);
             memcpy(gd.data_ptr<float>() + j * nbq, qa.view.d + src * nbq, nbq * sizeof(float));
             memcpy(gs.data_ptr<int16_t>() + j * (K / 16), qa.view.s + src * (K / 16), (K / 16) * sizeof(int16_t));
+            memcpy(gsf.data_ptr<float>() + j * (K / 16), qa.view.sf + src * (K / 16), (K / 16) * sizeof(float));
         }
-        HzAct ga{gq.data_ptr<int8_t>(), gd.data_ptr<float>(), gs.data_ptr<int16_t>(), K, fk.qk};
+        HzAct ga{gq.data_ptr<int8_t>(), gd.data_ptr<float>(), gs.data_ptr<int16_t>(), gsf.data_ptr<float>(), K, fk.qk};
         run_matmul(fk, wp + e * N * rb, rb, N, ga, c, gy.data_ptr<float>(), N, mv_max);
         for (int64_t j = 0; j < c; ++j) memcpy(o + r[j] * N, gy.data_ptr<float>() + j * N, N * sizeof(float));
     }
