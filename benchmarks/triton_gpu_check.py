@@ -10,7 +10,8 @@ Reports (GPU mode):
 - copy bandwidth: ``dst.copy_(src)`` of 1 GiB, counted as read + write bytes per second;
 - mat-vec (decode, M=1, bf16 activations) at N x K = 14336 x 4096 per format: packed weight
   bytes per second and the fraction of the copy bandwidth (a decode mat-vec at the memory
-  roofline reaches 0.88-0.99 of it, ../shared/DESIGN.md section 5);
+  roofline reaches 0.88-0.99 of it, ../shared/DESIGN.md section 5); for formats with a grouped
+  rule also the per-value-rule kernel (HANZO_TRITON_GROUPED=0) as an A/B in the same run;
 - GEMM (prefill, M=512, bf16) per format: TFLOP/s and the ratio to torch's dense bf16 matmul
   of the same shape;
 - each kernel's result is checked against the op reference (max relative error) before it is
@@ -100,8 +101,16 @@ def bench_formats(formats, budget_s: float, N: int = 14336, K: int = 4096, M_gem
             tg = _median_time(lambda: quant.mul_mat(xg, w, qtype), reps=10)
             tf = 2 * M_gemm * N * K / tg / 1e12
             okg = "FAIL" if not eg < 2e-2 else f"{eg:.1e}"
+            ab = ""
+            if quant._group_len(qtype):  # A/B: the same decode through the per-value rules
+                os.environ["HANZO_TRITON_GROUPED"] = "0"
+                try:
+                    te = _median_time(lambda: quant.mul_mat(x1, w, qtype))
+                finally:
+                    os.environ.pop("HANZO_TRITON_GROUPED", None)
+                ab = f"  (element rules: {nbytes / te / 1e9:.0f} GB/s)"
             lines.append(f"{qtype:8} {bpw:5.2f} {gbs / 1e9:11.0f} {gbs / bw:7.2f} {t1 * 1e6:8.1f} {ok1:>8} | "
-                         f"{tf:9.1f} {tf / dense_tflops:8.2f} {okg:>8}")
+                         f"{tf:9.1f} {tf / dense_tflops:8.2f} {okg:>8}{ab}")
             del w
         except Exception as e:  # keep going: one broken format must not hide the others
             lines.append(f"{qtype:8} ERROR {type(e).__name__}: {str(e)[:200]}")
@@ -171,6 +180,11 @@ def aot_check(formats, targets=("cuda:90", "hip:gfx942")) -> int:
                      dict(x="*bf16", w="*u8", y="*bf16", tab="*fp32", ids="*i64", M="i32", N="i32", K="i32",
                           rb="i32", x_div="i32", n_experts="i32", INDEXED=(M == 1), BM=BM, BN=BN, BK=BK, **fa),
                      {"num_warps": q.MATVEC_WARPS})
+            if F.GROUP_LEN.get(fmt):
+                comp(target, f"matvec-grouped {fmt}", q._matvec_grouped_kernel,
+                     dict(x="*bf16", w="*u8", y="*bf16", tab="*fp32", ids="*i64", N="i32", K="i32", rb="i32",
+                          x_div="i32", n_experts="i32", GL=F.GROUP_LEN[fmt], INDEXED=True, BN=q.GROUPED_BN,
+                          BK=q.GROUPED_BK, **fa), {"num_warps": q.MATVEC_WARPS})
             for grouped in (False, True):
                 comp(target, f"gemm {fmt} grouped={grouped}", q._gemm_kernel,
                      dict(x="*bf16", w="*u8", y="*bf16", tab="*fp32", rows_idx="*i64", tile_expert="*i64",

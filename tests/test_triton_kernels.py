@@ -207,6 +207,15 @@ def test_mul_mat_decode_every_format(tk, qtype):
     _check_mul_mat(tk, qtype, 1, torch.float32)
 
 
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K", "Q5_0", "Q3_K", "IQ4_XS", "TQ1_0", "NVFP4"))
+def test_mul_mat_decode_element_rules(tk, qtype, monkeypatch):
+    # the same decode through the per-value rules (the path of formats without a grouped rule)
+    assert tk.quant._group_len(qtype) > 0
+    monkeypatch.setenv("HANZO_TRITON_GROUPED", "0")
+    assert tk.quant._group_len(qtype) == 0
+    _check_mul_mat(tk, qtype, 1, torch.float32)
+
+
 @pytest.mark.parametrize("qtype", ALL_FORMATS)
 def test_mul_mat_prefill_every_format(tk, qtype):
     _check_mul_mat(tk, qtype, tk.quant.MATVEC_MAX_M + 9, torch.float32, N=20)
@@ -234,7 +243,7 @@ def test_mul_mat_leading_dims_and_errors(tk):
 
 @pytest.mark.parametrize("qtype,T,x_rank", [
     ("Q4_K", 2, 2), ("Q4_K", 2, 3), ("Q4_K", 12, 2), ("Q4_K", 12, 3), ("Q6_K", 2, 2), ("Q6_K", 12, 3),
-    ("Q8_0", 2, 3), ("Q8_0", 12, 2), ("IQ3_S", 12, 2), ("MXFP4", 2, 2),
+    ("Q8_0", 2, 3), ("Q8_0", 12, 2), ("IQ3_S", 2, 3), ("IQ3_S", 12, 2), ("MXFP4", 2, 2),
 ])  # T = 2: decode mat-vec over all slots; T = 12: grouped-by-expert GEMM
 def test_mul_mat_id_numeric(tk, qtype, T, x_rank):
     qk = tk.formats.format_info(qtype)[1]
@@ -411,14 +420,14 @@ def triton_on_cpu(tk):
 
 def test_ops_dispatch_to_triton_and_fallback_toggle(tk, triton_on_cpu, monkeypatch):
     calls = []
-    real = tk.quant._matvec_kernel
+    real = tk.quant._matvec_grouped_kernel
 
     class Spy:
         def __getitem__(self, grid):
             calls.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(tk.quant, "_matvec_kernel", Spy())
+    monkeypatch.setattr(tk.quant, "_matvec_grouped_kernel", Spy())
     w = random_packed("Q6_K", (6, 256), seed=17)
     x = torch.randn(1, 256)
     y = torch.ops.hanzo.mul_mat(x, w, "Q6_K")

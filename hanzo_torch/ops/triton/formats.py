@@ -332,8 +332,8 @@ def _unpack_q6_k(b, j, m):
 
 
 @triton.jit
-def _unpack_tq1_0(b, j, m):
-    # qs[48] qh[4] d: base-3 digits packed 5 (or 4) per byte as a fixed-point fraction.
+def _tq1_code(b, j, m):
+    # qs[48] qh[4]: base-3 digits packed 5 (or 4) per byte as a fixed-point fraction -> -1..1.
     first = j < 160
     mid = (j >= 160) & (j < 240)
     jj = tl.where(first, j, tl.where(mid, j - 160, j - 240))
@@ -341,8 +341,13 @@ def _unpack_tq1_0(b, j, m):
     digit = tl.where(first, jj // 32, tl.where(mid, jj // 16, jj // 4))
     pw = tl.where(digit == 0, 1, tl.where(digit == 1, 3, tl.where(digit == 2, 9, tl.where(digit == 3, 27, 81))))
     v = (_u8(b + byte_i, m) * pw) & 0xFF
-    q = ((v * 3) >> 8) - 1
-    return _f16(b + 52, m) * q.to(tl.float32)
+    return ((v * 3) >> 8) - 1
+
+
+@triton.jit
+def _unpack_tq1_0(b, j, m):
+    # qs[48] qh[4] d
+    return _f16(b + 52, m) * _tq1_code(b, j, m).to(tl.float32)
 
 
 @triton.jit
@@ -562,3 +567,116 @@ def unpack(b, j, m, tab, FMT: tl.constexpr):
 def unpack_at(row, k, m, tab, FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr):
     """float32 value of logical column ``k`` of the packed row starting at byte pointer ``row``."""
     return unpack(row + (k // QK) * TS, k % QK, m, tab, FMT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped form: w = scale[g] * code[j] + offset[g] for the GROUP_LEN[fmt] values of group g.
+#
+# The per-element rules above reload a block's scales for every value (bit-exact, simple, and
+# right for dequantize). A mat-vec only needs sum_j x_j * w_j = scale * sum_j x_j * code_j +
+# offset * sum_j x_j per group, so the scales are loaded once per group and each value costs one
+# code load and one FMA. Formats whose value is not affine in a per-value code (IQ1_*, the IQ2/IQ3
+# codebooks for now) have no entry and use the element rules.
+
+GROUP_LEN: dict[str, int] = {
+    "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
+    "Q2_K": 16, "Q3_K": 16, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16,
+    "IQ4_NL": 32, "IQ4_XS": 32, "TQ1_0": 32, "TQ2_0": 32, "MXFP4": 32, "NVFP4": 16,
+}
+"""Values per (scale, offset) group of the formats that have a grouped rule."""
+
+
+@triton.jit
+def group_params(b, g, m, tab, FMT: tl.constexpr):
+    """(scale, offset) float32 of group ``g`` (0-based within the block at byte pointer ``b``)."""
+    zero = tl.zeros(b.shape, dtype=tl.float32)
+    if FMT == Q4_0 or FMT == Q5_0 or FMT == Q8_0 or FMT == IQ4_NL:
+        return _f16(b, m), zero
+    elif FMT == Q4_1 or FMT == Q5_1:
+        return _f16(b, m), _f16(b + 2, m)
+    elif FMT == Q2_K:
+        sc = _u8(b + g, m)
+        return _f16(b + 80, m) * (sc & 0xF).to(tl.float32), -(_f16(b + 82, m) * (sc >> 4).to(tl.float32))
+    elif FMT == Q3_K:
+        lo = (_u8(b + 96 + g % 8, m) >> (4 * (g // 8))) & 0xF
+        hi = (_u8(b + 104 + g % 4, m) >> (2 * (g // 4))) & 3
+        return _f16(b + 108, m) * ((lo | (hi << 4)) - 32).to(tl.float32), zero
+    elif FMT == Q4_K or FMT == Q5_K:
+        sc, mn = _scale_min_k4(b + 4, g, m)
+        return _f16(b, m) * sc.to(tl.float32), -(_f16(b + 2, m) * mn.to(tl.float32))
+    elif FMT == Q6_K:
+        return _f16(b + 208, m) * _i8(b + 192 + g, m).to(tl.float32), zero
+    elif FMT == IQ4_XS:
+        sl = (_u8(b + 4 + g // 2, m) >> (4 * (g % 2))) & 0xF
+        sh = (_u16(b + 2, m) >> (2 * g)) & 3
+        return _f16(b, m) * ((sl | (sh << 4)) - 32).to(tl.float32), zero
+    elif FMT == TQ1_0:
+        return _f16(b + 52, m), zero
+    elif FMT == TQ2_0:
+        return _f16(b + 64, m), zero
+    elif FMT == MXFP4:
+        e = _u8(b, m)
+        return tl.where(e < 2, (0x00200000 << e), (e - 1) << 23).to(tl.float32, bitcast=True), zero
+    else:
+        tl.static_assert(FMT == NVFP4, "group_params: format without a grouped rule")
+        x = _u8(b + g, m)
+        ex = (x >> 3) & 0xF
+        man = (x & 7).to(tl.float32)
+        nrm = (1.0 + man / 8.0) * ((ex + 120) << 23).to(tl.float32, bitcast=True)
+        raw = tl.where(ex == 0, man * 0.001953125, nrm)
+        return tl.where((x == 0) | (x == 0x7F), 0.0, raw * 0.5), zero
+
+
+@triton.jit
+def group_code(b, j, m, tab, FMT: tl.constexpr):
+    """float32 code of in-block value ``j``: the value is ``scale * code + offset`` of its group."""
+    if FMT == Q4_0:
+        return (_nibble16(b + 2, j, m) - 8).to(tl.float32)
+    elif FMT == Q4_1:
+        return _nibble16(b + 4, j, m).to(tl.float32)
+    elif FMT == Q5_0:
+        qh = (_u8(b + 2 + j // 8, m) >> (j % 8)) & 1
+        return ((_nibble16(b + 6, j, m) | (qh << 4)) - 16).to(tl.float32)
+    elif FMT == Q5_1:
+        qh = (_u8(b + 4 + j // 8, m) >> (j % 8)) & 1
+        return (_nibble16(b + 8, j, m) | (qh << 4)).to(tl.float32)
+    elif FMT == Q8_0:
+        return _i8(b + 2 + j, m).to(tl.float32)
+    elif FMT == Q2_K:
+        r = j % 128
+        return ((_u8(b + 16 + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3).to(tl.float32)
+    elif FMT == Q3_K:
+        hbit = (_u8(b + j % 32, m) >> (j // 32)) & 1
+        r = j % 128
+        ql = (_u8(b + 32 + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+        return (ql - ((1 - hbit) << 2)).to(tl.float32)
+    elif FMT == Q4_K:
+        return ((_u8(b + 16 + (j // 64) * 32 + j % 32, m) >> (4 * ((j // 32) % 2))) & 0xF).to(tl.float32)
+    elif FMT == Q5_K:
+        ql = (_u8(b + 48 + (j // 64) * 32 + j % 32, m) >> (4 * ((j // 32) % 2))) & 0xF
+        qh = (_u8(b + 16 + j % 32, m) >> (j // 32)) & 1
+        return (ql | (qh << 4)).to(tl.float32)
+    elif FMT == Q6_K:
+        h = j // 128
+        r = j % 128
+        ql = (_u8(b + h * 64 + r % 64, m) >> (4 * (r // 64))) & 0xF
+        qh = (_u8(b + 128 + h * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+        return ((ql | (qh << 4)) - 32).to(tl.float32)
+    elif FMT == IQ4_NL:
+        return tl.load(tab + _nibble16(b + 2, j, m), mask=m, other=0.0)
+    elif FMT == IQ4_XS:
+        ib = j // 32
+        r = j % 32
+        return tl.load(tab + ((_u8(b + 8 + ib * 16 + r % 16, m) >> (4 * (r // 16))) & 0xF), mask=m, other=0.0)
+    elif FMT == TQ1_0:
+        return _tq1_code(b, j, m).to(tl.float32)
+    elif FMT == TQ2_0:
+        r = j % 128
+        return (((_u8(b + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3) - 1).to(tl.float32)
+    elif FMT == MXFP4:
+        return tl.load(tab + _nibble16(b + 1, j, m), mask=m, other=0.0)
+    else:
+        tl.static_assert(FMT == NVFP4, "group_code: format without a grouped rule")
+        s = j // 16
+        r = j % 16
+        return tl.load(tab + ((_u8(b + 4 + s * 8 + r % 8, m) >> (4 * (r // 8))) & 0xF), mask=m, other=0.0)

@@ -22,12 +22,13 @@ Contractions (``../shared/DESIGN.md`` section 5):
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .formats import format_info, format_table, unpack_at
+from .formats import GROUP_LEN, _name, format_info, format_table, group_code, group_params, unpack_at
 
 MATVEC_MAX_M = 8
 """Largest number of activation rows that takes the mat-vec path (decode); above: tiled GEMM.
@@ -173,6 +174,48 @@ def _matvec_kernel(x, w, y, tab, ids, M, N, K, rb, x_div, n_experts,
 
 
 @triton.jit
+def _matvec_grouped_kernel(x, w, y, tab, ids, N, K, rb, x_div, n_experts,
+                           FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, GL: tl.constexpr,
+                           INDEXED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # Decode (one activation row) through the grouped form w = scale * code + offset: each
+    # group of GL values contributes scale * dot(x, code) + offset * sum(x), so a block's scales
+    # are read once per group, not once per value (formats.GROUP_LEN). INDEXED as in
+    # _matvec_kernel. The activation row is read once per K tile, as given: no per-block
+    # re-quantization (DESIGN section 5: folding it into every block cost -22%).
+    G: tl.constexpr = BK // GL
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < N
+    if INDEXED:
+        s = tl.program_id(1).to(tl.int64)
+        e = tl.load(ids + s).to(tl.int64)
+        ok = (e >= 0) & (e < n_experts)
+        nm = n < tl.where(ok, N, 0)
+        w = w + tl.where(ok, e, 0) * N * rb
+        x = x + (s // x_div) * K
+        y = y + s * N
+    rows = w + n.to(tl.int64) * rb                                   # [BN]
+    gi = tl.arange(0, G)
+    li = tl.arange(0, GL)
+    acc = tl.zeros((BN, G, 1), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kg = k0 + gi * GL                                            # first column of each group
+        gm = kg < K                                                  # K is a multiple of QK >= GL
+        bp = rows[:, None, None] + ((kg // QK) * TS)[None, :, None]  # [BN, G, 1] block pointers
+        jg = (kg % QK)[None, :, None]
+        m3 = nm[:, None, None] & gm[None, :, None]
+        scale, off = group_params(bp, jg // GL, m3, tab, FMT)        # [BN, G, 1]
+        code = group_code(bp, jg + li[None, None, :], m3, tab, FMT)  # [BN, G, GL]
+        xt = tl.load(x + kg[:, None] + li[None, :], mask=gm[:, None], other=0.0).to(tl.float32)  # [G, GL]
+        dot = tl.sum(code * xt[None, :, :], axis=2, keep_dims=True)
+        xs = tl.sum(xt, axis=1, keep_dims=True)                      # [G, 1]
+        acc += scale * dot + off * xs[None, :, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if INDEXED:
+        out = tl.where(ok, out, float("nan"))
+    tl.store(y + n, out.to(y.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
 def _gemm_kernel(x, w, y, tab, rows_idx, tile_expert, M, N, K, rb, x_div, n_experts,
                  FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, DOT: tl.constexpr,
                  PREC: tl.constexpr, GROUPED: tl.constexpr,
@@ -237,6 +280,18 @@ def _matvec_config(M: int) -> tuple[int, int, int]:
     return BM, BN, BK
 
 
+GROUPED_BN, GROUPED_BK = 8, 256
+"""Tile of the grouped decode mat-vec: 8 weight rows x 256 columns (2048 values, 8 per thread)."""
+
+
+def _group_len(qtype: str) -> int:
+    # values per scale group when the format has a grouped rule (else 0: element rules);
+    # HANZO_TRITON_GROUPED=0 forces the element-rule mat-vec (A/B of the two paths)
+    if os.environ.get("HANZO_TRITON_GROUPED", "1") == "0":
+        return 0
+    return GROUP_LEN.get(_name(qtype), 0)
+
+
 def _gemm_config(M: int, x_dtype: torch.dtype) -> dict:
     BM = 64 if M >= 64 else max(16, triton.next_power_of_2(M))
     return dict(BM=BM, BN=64, BK=32, GROUP_M=8)
@@ -284,7 +339,12 @@ def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
     x2 = x.reshape(M, K).contiguous()
     w = w.contiguous()
     tab = format_table(qtype, w.device)
-    if M <= MATVEC_MAX_M:
+    if M == 1 and _group_len(qtype):
+        gl = _group_len(qtype)
+        _matvec_grouped_kernel[(triton.cdiv(N, GROUPED_BN), 1)](x2, w, y, tab, x2, N, K, rb, 1, 1,
+                                                                FMT=fid, QK=qk, TS=ts, GL=gl, INDEXED=False,
+                                                                BN=GROUPED_BN, BK=GROUPED_BK, num_warps=MATVEC_WARPS)
+    elif M <= MATVEC_MAX_M:
         BM, BN, BK = _matvec_config(M)
         _matvec_kernel[(triton.cdiv(N, BN), 1)](x2, w, y, tab, x2, M, N, K, rb, 1, 1,
                                                 FMT=fid, QK=qk, TS=ts, INDEXED=False,
@@ -369,6 +429,13 @@ def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) 
         return torch.empty((T, kk, N), dtype=x.dtype, device=x.device)
     if T <= MATVEC_MAX_M:
         y = torch.empty((T, kk, N), dtype=x.dtype, device=x.device)
+        gl = _group_len(qtype)
+        if gl:
+            _matvec_grouped_kernel[(triton.cdiv(N, GROUPED_BN), S)](xc, w, y, tab, flat, N, K, rb, x_div, E,
+                                                                    FMT=fid, QK=qk, TS=ts, GL=gl, INDEXED=True,
+                                                                    BN=GROUPED_BN, BK=GROUPED_BK,
+                                                                    num_warps=MATVEC_WARPS)
+            return y
         BM, BN, BK = _matvec_config(1)
         _matvec_kernel[(triton.cdiv(N, BN), S)](xc, w, y, tab, flat, 1, N, K, rb, x_div, E,
                                                 FMT=fid, QK=qk, TS=ts, INDEXED=True,
