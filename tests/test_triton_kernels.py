@@ -207,7 +207,7 @@ def test_mul_mat_decode_every_format(tk, qtype):
     _check_mul_mat(tk, qtype, 1, torch.float32)
 
 
-@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K", "Q5_0", "Q3_K", "IQ4_XS", "TQ1_0", "NVFP4"))
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K", "Q5_0", "Q3_K", "IQ4_XS", "TQ1_0", "IQ2_XXS", "IQ1_M"))
 def test_mul_mat_decode_element_rules(tk, qtype, monkeypatch):
     # the same decode through the per-value rules (the path of formats without a grouped rule)
     assert tk.quant._group_len(qtype) > 0

@@ -575,48 +575,84 @@ def unpack_at(row, k, m, tab, FMT: tl.constexpr, QK: tl.constexpr, TS: tl.conste
 # The per-element rules above reload a block's scales for every value (bit-exact, simple, and
 # right for dequantize). A mat-vec only needs sum_j x_j * w_j = scale * sum_j x_j * code_j +
 # offset * sum_j x_j per group, so the scales are loaded once per group and each value costs one
-# code load and one FMA. Formats whose value is not affine in a per-value code (IQ1_*, the IQ2/IQ3
-# codebooks for now) have no entry and use the element rules.
+# code load and one FMA. Every quantized format has a grouped rule (the IQ codes are signed grid
+# values; IQ1's delta is the group offset); the dense ones use the element rules.
 
 GROUP_LEN: dict[str, int] = {
     "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
     "Q2_K": 16, "Q3_K": 16, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16,
     "IQ4_NL": 32, "IQ4_XS": 32, "TQ1_0": 32, "TQ2_0": 32, "MXFP4": 32, "NVFP4": 16,
+    "IQ2_XXS": 32, "IQ2_XS": 16, "IQ2_S": 16, "IQ3_XXS": 32, "IQ3_S": 32, "IQ1_S": 32, "IQ1_M": 8,
 }
 """Values per (scale, offset) group of the formats that have a grouped rule."""
 
 
 @triton.jit
 def group_params(b, g, m, tab, FMT: tl.constexpr):
-    """(scale, offset) float32 of group ``g`` (0-based within the block at byte pointer ``b``)."""
+    """(scale, offset, aux) of group ``g`` (0-based within the block at byte pointer ``b``).
+
+    scale/offset: float32; aux: int32 per-group payload that :func:`group_code` needs (the sign
+    words of IQ2_XXS/IQ3_XXS, the high index bits of IQ1_S/IQ1_M), 0 for the other formats.
+    """
     zero = tl.zeros(b.shape, dtype=tl.float32)
+    iz = tl.zeros(b.shape, dtype=tl.int32)
     if FMT == Q4_0 or FMT == Q5_0 or FMT == Q8_0 or FMT == IQ4_NL:
-        return _f16(b, m), zero
+        return _f16(b, m), zero, iz
     elif FMT == Q4_1 or FMT == Q5_1:
-        return _f16(b, m), _f16(b + 2, m)
+        return _f16(b, m), _f16(b + 2, m), iz
     elif FMT == Q2_K:
         sc = _u8(b + g, m)
-        return _f16(b + 80, m) * (sc & 0xF).to(tl.float32), -(_f16(b + 82, m) * (sc >> 4).to(tl.float32))
+        return _f16(b + 80, m) * (sc & 0xF).to(tl.float32), -(_f16(b + 82, m) * (sc >> 4).to(tl.float32)), iz
     elif FMT == Q3_K:
         lo = (_u8(b + 96 + g % 8, m) >> (4 * (g // 8))) & 0xF
         hi = (_u8(b + 104 + g % 4, m) >> (2 * (g // 4))) & 3
-        return _f16(b + 108, m) * ((lo | (hi << 4)) - 32).to(tl.float32), zero
+        return _f16(b + 108, m) * ((lo | (hi << 4)) - 32).to(tl.float32), zero, iz
     elif FMT == Q4_K or FMT == Q5_K:
         sc, mn = _scale_min_k4(b + 4, g, m)
-        return _f16(b, m) * sc.to(tl.float32), -(_f16(b + 2, m) * mn.to(tl.float32))
+        return _f16(b, m) * sc.to(tl.float32), -(_f16(b + 2, m) * mn.to(tl.float32)), iz
     elif FMT == Q6_K:
-        return _f16(b + 208, m) * _i8(b + 192 + g, m).to(tl.float32), zero
+        return _f16(b + 208, m) * _i8(b + 192 + g, m).to(tl.float32), zero, iz
     elif FMT == IQ4_XS:
         sl = (_u8(b + 4 + g // 2, m) >> (4 * (g % 2))) & 0xF
         sh = (_u16(b + 2, m) >> (2 * g)) & 3
-        return _f16(b, m) * ((sl | (sh << 4)) - 32).to(tl.float32), zero
+        return _f16(b, m) * ((sl | (sh << 4)) - 32).to(tl.float32), zero, iz
     elif FMT == TQ1_0:
-        return _f16(b + 52, m), zero
+        return _f16(b + 52, m), zero, iz
     elif FMT == TQ2_0:
-        return _f16(b + 64, m), zero
+        return _f16(b + 64, m), zero, iz
     elif FMT == MXFP4:
         e = _u8(b, m)
-        return tl.where(e < 2, (0x00200000 << e), (e - 1) << 23).to(tl.float32, bitcast=True), zero
+        return tl.where(e < 2, (0x00200000 << e), (e - 1) << 23).to(tl.float32, bitcast=True), zero, iz
+    elif FMT == IQ2_XXS:
+        aux = _u32(b + 2 + g * 8 + 4, m)
+        return _f16(b, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.25, zero, (aux & 0x0FFFFFFF).to(tl.int32)
+    elif FMT == IQ2_XS:
+        sc = (_u8(b + 66 + g // 2, m) >> (4 * (g % 2))) & 0xF
+        return _f16(b, m) * (0.5 + sc.to(tl.float32)) * 0.25, zero, iz
+    elif FMT == IQ2_S:
+        sc = (_u8(b + 74 + g // 2, m) >> (4 * (g % 2))) & 0xF
+        return _f16(b, m) * (0.5 + sc.to(tl.float32)) * 0.25, zero, iz
+    elif FMT == IQ3_XXS:
+        aux = _u32(b + 66 + g * 4, m)
+        return _f16(b, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.5, zero, (aux & 0x0FFFFFFF).to(tl.int32)
+    elif FMT == IQ3_S:
+        sc = (_u8(b + 106 + g // 2, m) >> (4 * (g % 2))) & 0xF
+        return _f16(b, m) * (1 + 2 * sc).to(tl.float32), zero, iz
+    elif FMT == IQ1_S:
+        qh = _u16(b + 34 + g * 2, m)
+        dl = _f16(b, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+        return dl, dl * tl.where((qh & 0x8000) == 0, 0.125, -0.125), qh
+    elif FMT == IQ1_M:
+        s0 = _u16(b + 48, m)
+        s1 = _u16(b + 50, m)
+        s2 = _u16(b + 52, m)
+        s3 = _u16(b + 54, m)
+        d = _f16_bits(((s0 & 0xF000) >> 12) | ((s1 & 0xF000) >> 8) | ((s2 & 0xF000) >> 4) | (s3 & 0xF000))
+        t = g // 2
+        sc = (_u16(b + 48 + 2 * (t // 4), m) >> (3 * (t % 4))) & 7
+        dl = d * (2 * sc + 1).to(tl.float32)
+        qh = (_u8(b + 32 + g // 2, m) >> (4 * (g % 2))) & 0xF
+        return dl, dl * tl.where((qh & 8) == 0, 0.125, -0.125), qh
     else:
         tl.static_assert(FMT == NVFP4, "group_params: format without a grouped rule")
         x = _u8(b + g, m)
@@ -624,12 +660,13 @@ def group_params(b, g, m, tab, FMT: tl.constexpr):
         man = (x & 7).to(tl.float32)
         nrm = (1.0 + man / 8.0) * ((ex + 120) << 23).to(tl.float32, bitcast=True)
         raw = tl.where(ex == 0, man * 0.001953125, nrm)
-        return tl.where((x == 0) | (x == 0x7F), 0.0, raw * 0.5), zero
+        return tl.where((x == 0) | (x == 0x7F), 0.0, raw * 0.5), zero, iz
 
 
 @triton.jit
-def group_code(b, j, m, tab, FMT: tl.constexpr):
-    """float32 code of in-block value ``j``: the value is ``scale * code + offset`` of its group."""
+def group_code(b, j, m, tab, aux, FMT: tl.constexpr):
+    """float32 code of in-block value ``j``: the value is ``scale * code + offset`` of its group
+    (``aux``: the group's payload from :func:`group_params`)."""
     if FMT == Q4_0:
         return (_nibble16(b + 2, j, m) - 8).to(tl.float32)
     elif FMT == Q4_1:
@@ -675,6 +712,39 @@ def group_code(b, j, m, tab, FMT: tl.constexpr):
         return (((_u8(b + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3) - 1).to(tl.float32)
     elif FMT == MXFP4:
         return tl.load(tab + _nibble16(b + 1, j, m), mask=m, other=0.0)
+    elif FMT == IQ2_XXS:
+        i = j % 8
+        gv = tl.load(tab + _u8(b + 2 + (j // 32) * 8 + (j % 32) // 8, m) * 8 + i, mask=m, other=0.0)
+        s7 = (aux >> (7 * ((j % 32) // 8))) & 127
+        return tl.where(_sign8(s7, i) != 0, -gv, gv)
+    elif FMT == IQ2_XS:
+        i = j % 8
+        q = _u16(b + 2 + (j // 8) * 2, m)
+        gv = tl.load(tab + (q & 511) * 8 + i, mask=m, other=0.0)
+        return tl.where(_sign8(q >> 9, i) != 0, -gv, gv)
+    elif FMT == IQ2_S:
+        gi = j // 8
+        i = j % 8
+        idx = _u8(b + 2 + gi, m) | (((_u8(b + 66 + gi // 4, m) >> (2 * (gi % 4))) & 3) << 8)
+        gv = tl.load(tab + idx * 8 + i, mask=m, other=0.0)
+        return tl.where(((_u8(b + 34 + gi, m) >> i) & 1) != 0, -gv, gv)
+    elif FMT == IQ3_XXS:
+        i = j % 8
+        gv = tl.load(tab + _u8(b + 2 + j // 4, m) * 4 + j % 4, mask=m, other=0.0)
+        s7 = (aux >> (7 * ((j % 32) // 8))) & 127
+        return tl.where(_sign8(s7, i) != 0, -gv, gv)
+    elif FMT == IQ3_S:
+        qi = j // 4
+        idx = _u8(b + 2 + qi, m) | (((_u8(b + 66 + qi // 8, m) >> (qi % 8)) & 1) << 8)
+        gv = tl.load(tab + idx * 4 + j % 4, mask=m, other=0.0)
+        return tl.where(((_u8(b + 74 + j // 8, m) >> (j % 8)) & 1) != 0, -gv, gv)
+    elif FMT == IQ1_S:
+        l = (j % 32) // 8
+        idx = _u8(b + 2 + (j // 32) * 4 + l, m) | (((aux >> (3 * l)) & 7) << 8)
+        return tl.load(tab + idx * 8 + j % 8, mask=m, other=0.0)
+    elif FMT == IQ1_M:
+        idx = _u8(b + j // 8, m) | ((aux & 7) << 8)
+        return tl.load(tab + idx * 8 + j % 8, mask=m, other=0.0)
     else:
         tl.static_assert(FMT == NVFP4, "group_code: format without a grouped rule")
         s = j // 16

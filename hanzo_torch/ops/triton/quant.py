@@ -8,10 +8,14 @@ have the signatures of the ``hanzo`` ops (docs/ARCHITECTURE.md) and are what
 Contractions (``../shared/DESIGN.md`` section 5):
 - decode mat-vec (``M <= MATVEC_MAX_M``): each program owns ``BN`` weight rows and streams them
   once over K, unpacking to float32 and FMA-ing against all M activation rows, so the weight
-  bytes are read once per op whatever M is. The activation is read as-is (not re-quantized per
-  block: folding the activation quantization into every mat-vec block cost -22% in a
-  bandwidth-bound kernel). The next step, an int8 dot against q8_1, must quantize the
-  activation once per op with :func:`quantize_q8_1` and pass the q8_1 rows in.
+  bytes are read once per op whatever M is. M == 1 uses the grouped form of the format
+  (``w = scale * code + offset`` per group of 8-32 values, :data:`.formats.GROUP_LEN`): scales
+  are read once per group and each value costs one code load and one FMA (4x fewer global
+  loads than the per-value rules for Q4_K in the sm_90 PTX). The activation is read as-is
+  (not re-quantized per block: folding the activation quantization into every mat-vec block
+  cost -22% in a bandwidth-bound kernel). The next step, an int8 dot against q8_1, must
+  quantize the activation once per op with :func:`quantize_q8_1` and pass the q8_1 rows in;
+  the grouped form is already its shape (scale * dot(code, q) * d8 + offset * s8).
 - prefill GEMM: 2-D tiles, weight tile unpacked to the activation's dtype (bf16/f16 on tensor
   cores, f32 in IEEE) and fed to ``tl.dot``; each weight tile is decoded once per BM rows of
   activations (the naive tensor-core prefill that re-decoded per tiny tile was 0.26x of int8).
@@ -203,8 +207,8 @@ def _matvec_grouped_kernel(x, w, y, tab, ids, N, K, rb, x_div, n_experts,
         bp = rows[:, None, None] + ((kg // QK) * TS)[None, :, None]  # [BN, G, 1] block pointers
         jg = (kg % QK)[None, :, None]
         m3 = nm[:, None, None] & gm[None, :, None]
-        scale, off = group_params(bp, jg // GL, m3, tab, FMT)        # [BN, G, 1]
-        code = group_code(bp, jg + li[None, None, :], m3, tab, FMT)  # [BN, G, GL]
+        scale, off, aux = group_params(bp, jg // GL, m3, tab, FMT)   # [BN, G, 1]
+        code = group_code(bp, jg + li[None, None, :], m3, tab, aux, FMT)  # [BN, G, GL]
         xt = tl.load(x + kg[:, None] + li[None, :], mask=gm[:, None], other=0.0).to(tl.float32)  # [G, GL]
         dot = tl.sum(code * xt[None, :, :], axis=2, keep_dims=True)
         xs = tl.sum(xt, axis=1, keep_dims=True)                      # [G, 1]
