@@ -28,6 +28,11 @@ from hanzo_torch.ops import cpu as hcpu  # noqa: E402
 GT = gguf.GGMLQuantizationType
 
 
+STAT = min
+"""Statistic over repetitions: ``min`` (default; on a shared, loaded machine the fastest run is the
+one least disturbed by other processes) or ``statistics.median`` (--median)."""
+
+
 def timeit(fn, reps: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
@@ -36,12 +41,12 @@ def timeit(fn, reps: int, warmup: int = 2) -> float:
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return STAT(ts)
 
 
 def read_bandwidth_gbs() -> float:
     t = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
-    s = timeit(lambda: t.sum(), reps=5)
+    s = timeit(lambda: t.sum(), reps=7)
     return t.numel() * 4 / s / 1e9
 
 
@@ -57,7 +62,7 @@ def bench_matvec(qtype: str, N: int, K: int, isa: str, total_bytes: float) -> tu
         for w in ws:
             ext.mul_mat(x, w, tid, lvl, 8)
 
-    s = timeit(run, reps=5, warmup=1)
+    s = timeit(run, reps=7, warmup=1)
     per_call_us = s / n_copies * 1e6
     return one.numel() * n_copies / s / 1e9, per_call_us
 
@@ -67,7 +72,7 @@ def bench_gemm(qtype: str, M: int, N: int, K: int, isa: str) -> float:
     x = torch.randn(M, K)
     ext = hcpu.extension()
     tid, lvl = int(GT[qtype]), hcpu._ISA_BY_NAME[isa]
-    s = timeit(lambda: ext.mul_mat(x, w, tid, lvl, 8), reps=3, warmup=1)
+    s = timeit(lambda: ext.mul_mat(x, w, tid, lvl, 0), reps=5, warmup=1)
     return 2 * M * N * K / s / 1e9
 
 
@@ -79,13 +84,16 @@ def main() -> None:
     ap.add_argument("--shape", default="8960,1536", help="N,K of the mat-vec / GEMM weight")
     ap.add_argument("--gemm-m", default="128,512")
     ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--median", action="store_true", help="median instead of min over repetitions")
     args = ap.parse_args()
+    global STAT
+    STAT = statistics.median if args.median else min
     torch.set_num_threads(args.threads)
     ext = hcpu.build()
     isa = args.isa or hcpu.ISA_NAMES[hcpu.default_isa()]
     N, K = (int(v) for v in args.shape.split(","))
     bw = read_bandwidth_gbs()
-    print(f"threads={args.threads} isa={isa} read bandwidth (torch sum, 1 GiB f32): {bw:.1f} GB/s")
+    print(f"threads={args.threads} isa={isa} stat={STAT.__name__} read bandwidth (torch sum, 1 GiB f32): {bw:.1f} GB/s")
     print(f"mat-vec M=1, W [{N}, {K}] cycled over > 128 MB")
     print(f"{'format':8s} {'bpw':>5s} {'GB/s':>7s} {'of BW':>6s} {'us/call':>8s}")
     for q in args.formats.split(","):

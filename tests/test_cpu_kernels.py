@@ -231,3 +231,8 @@ def test_forced_isa_env(ext, monkeypatch):
     monkeypatch.setenv("HANZO_CPU_ISA", "sse9")
     with pytest.raises(ValueError, match="HANZO_CPU_ISA"):
         hcpu.default_isa()
+
+
+def test_isa_self_check_passes_on_this_cpu(ext):
+    for level in ext.supported_isas():
+        assert hcpu._self_check(ext, level), hcpu.ISA_NAMES[level]

@@ -49,4 +49,6 @@ extern const int8_t* hz_grid_iq2s;
 extern const int8_t* hz_grid_iq3xxs;
 extern const int8_t* hz_grid_iq3s;
 extern const int8_t* hz_grid_iq1s;
+// Software prefetch distance of the mat-vec weight stream, bytes (tuned, see ops.cpp).
+extern int64_t hz_prefetch_bytes;
 }

@@ -270,7 +270,7 @@ static void matvec_tile(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
         for (int m = 0; m < MR; ++m) { acc[m] = _mm256_setzero_ps(); accs[m] = 0.f; }
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* blk = row + b * T::BYTES;
-            _mm_prefetch((const char*)(blk + 8 * T::BYTES), _MM_HINT_T0);
+            for (int off = 0; off < T::BYTES; off += 64) _mm_prefetch((const char*)(blk + hz_prefetch_bytes + off), _MM_HINT_T0);
             typename H::Prep p;
             H::prep(blk, p);
             if constexpr (T::QK == 32) {

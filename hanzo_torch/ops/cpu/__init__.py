@@ -51,9 +51,9 @@ SUPPORTED_QTYPES = (
 )
 """The 22 quantized formats with a C++ kernel (dense F32/F16/BF16 weights use torch GEMMs)."""
 
-MV_MAX_ROWS = 8
+MV_MAX_ROWS = 5
 """mul_mat uses the mat-vec kernel up to this many activation rows and the tiled GEMM above it
-(measured on 2-core AMD EPYC Zen 3, Q4_K 1536x8960: see benchmarks/RESULTS.md)."""
+(crossover measured at 6-8 rows for Q4_K and Q6_K, K=1536, on the 2-core AMD EPYC Zen 3 machine)."""
 
 _GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S")
 
@@ -162,11 +162,49 @@ def isa_levels() -> list[str]:
     return [ISA_NAMES[i] for i in ext.supported_isas()] if ext is not None else []
 
 
+_levels_cache: Optional[list] = None
+_isa_checked: dict = {}
+
+
+def _self_check(ext, level: int) -> bool:
+    """Run every format through ISA ``level`` and the scalar path on random blocks; True if they agree.
+
+    Guards the paths this project's CI cannot run (AVX-512 on a machine without it): a
+    miscompiled or wrong path is refused, with a warning, instead of giving wrong answers.
+    """
+    if level in _isa_checked:
+        return _isa_checked[level]
+    g = torch.Generator().manual_seed(0)
+    ok = True
+    for tid, qk, nbytes in ext.formats():
+        K = 2 * 256
+        w = torch.randint(0, 256, (5, K // qk * nbytes), dtype=torch.uint8, generator=g)
+        x = torch.randn(7, K, generator=g)
+        for mv in (8, 0):
+            a, b = ext.mul_mat(x, w, tid, level, mv), ext.mul_mat(x, w, tid, 0, mv)
+            fin = torch.isfinite(a) & torch.isfinite(b)
+            tol = 1e-4 * (a.abs() + b.abs())
+            if not (torch.equal(torch.isfinite(a), torch.isfinite(b)) and ((a - b).abs() <= tol)[fin].all()):
+                ok = False
+        ids = torch.arange(5)
+        if not torch.equal(ext.get_rows(w, ids, tid, level).nan_to_num(), ext.get_rows(w, ids, tid, 0).nan_to_num()):
+            ok = False
+    if not ok:
+        warnings.warn(f"hanzo_torch: the {ISA_NAMES[level]} CPU kernels disagree with the scalar path on this "
+                      "machine; using a lower instruction set", RuntimeWarning, stacklevel=3)
+    _isa_checked[level] = ok
+    return ok
+
+
 def default_isa() -> int:
-    """The ISA level used by default: ``HANZO_CPU_ISA`` if set, else the best this CPU runs."""
+    """The ISA level used by default: ``HANZO_CPU_ISA`` if set, else the best this CPU runs that
+    passes a one-time self-check against the scalar path."""
+    global _levels_cache
     ext = extension()
+    if _levels_cache is None:
+        _levels_cache = list(ext.supported_isas())
+    levels = _levels_cache
     forced = os.environ.get("HANZO_CPU_ISA", "").strip().lower()
-    levels = ext.supported_isas()
     if forced:
         if forced not in _ISA_BY_NAME:
             raise ValueError(f"HANZO_CPU_ISA={forced!r}: expected one of {', '.join(_ISA_BY_NAME)}")
@@ -174,7 +212,10 @@ def default_isa() -> int:
         if level not in levels:
             raise ValueError(f"HANZO_CPU_ISA={forced!r}: this CPU supports only {[ISA_NAMES[i] for i in levels]}")
         return level
-    return max(levels)
+    for level in sorted(levels, reverse=True):
+        if level == 0 or _self_check(ext, level):
+            return level
+    return 0
 
 
 def _isa(isa) -> int:
@@ -187,10 +228,16 @@ def _isa(isa) -> int:
     return int(isa)
 
 
-def _type_id(qtype: str) -> int:
-    from ...formats import get_format
+_TYPE_IDS: dict = {}
 
-    return get_format(qtype).type_id
+
+def _type_id(qtype: str) -> int:
+    tid = _TYPE_IDS.get(qtype)
+    if tid is None:
+        from ...formats import get_format
+
+        tid = _TYPE_IDS[qtype] = get_format(qtype).type_id
+    return tid
 
 
 def _reference(name: str):
