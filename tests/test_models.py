@@ -17,6 +17,10 @@ Error bounds (relative: max |ours - theirs| / max |theirs| over all logits):
 * ``KERNEL_RTOL = 0.1`` for P on the fast kernels: they quantize activations to int8 per block
   (ggml q8_1/q8_K), a relative rounding of up to 2^-8 per value, about 0.5% per matmul measured,
   2-4% on the logits after 7-8 chained matmuls. A wrong row, scale or expert is O(1).
+* ``SHAPE_RTOL = 1e-2`` when the same packed model on the fast kernels sees the same tokens in
+  different shapes (batch vs single, prefill vs decode): a kernel may quantize activations
+  differently on its mat-vec and GEMM paths (measured 1.4e-3). A KV-cache slot, position or
+  mask error gives O(1).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ transformers = pytest.importorskip("transformers")
 
 DENSE_RTOL = 1e-4
 KERNEL_RTOL = 0.1
+SHAPE_RTOL = 1e-2
 N_GREEDY = 32
 MAX_CONTEXT = 128
 FALLBACK_OPS = ("mul_mat", "mul_mat_id", "get_rows")
@@ -186,8 +191,24 @@ def test_incremental_decode_equals_full_forward(zoo, arch):
         for t in range(15, 20):  # explicit positions, as a captured decode graph feeds them
             parts.append(model(seq[:, t : t + 1], positions=torch.tensor([[t]])))
         last = model(seq[:, 19:20], positions=torch.tensor([[19]]), last_only=True)
-    assert rel_err(torch.cat(parts, dim=1), full) < DENSE_RTOL
-    assert last.shape == (1, 1, full.shape[-1]) and rel_err(last, full[:, -1:]) < DENSE_RTOL
+    assert rel_err(torch.cat(parts, dim=1), full) < SHAPE_RTOL
+    assert last.shape == (1, 1, full.shape[-1]) and rel_err(last, full[:, -1:]) < SHAPE_RTOL
+
+
+def test_decode_step_compiles_as_one_graph(zoo):
+    """torch.compile(fullgraph=True) of a decode step with explicit positions: any host sync
+    (.item(), .tolist(), data-dependent shapes) in the forward would be a graph break and fail.
+    The compiled steps equal the eager ones."""
+    model = zoo.model("qwen3moe", "packed")
+    prompt = torch.tensor([[11, 22, 33, 44]])
+    with torch.no_grad():
+        model(prompt)
+        eager = [model(torch.tensor([[t]]), positions=torch.tensor([[t]])) for t in range(4, 7)]
+        model.reset()
+        model(prompt)
+        step = torch.compile(model, fullgraph=True, dynamic=False)
+        for t, ref in zip(range(4, 7), eager):
+            assert rel_err(step(torch.tensor([[t]]), positions=torch.tensor([[t]])), ref) < DENSE_RTOL
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
@@ -200,8 +221,8 @@ def test_batch_of_two_equals_single_sequences(zoo, arch):
         for b in range(2):
             model.reset()
             single = model(seqs[b : b + 1])
-            assert rel_err(batch[b], single[0, :11]) < DENSE_RTOL
-            assert rel_err(batch_next[b], single[0, 11:]) < DENSE_RTOL
+            assert rel_err(batch[b], single[0, :11]) < SHAPE_RTOL
+            assert rel_err(batch_next[b], single[0, 11:]) < SHAPE_RTOL
         with pytest.raises(ValueError, match="batch size"):
             model(seqs[:, :1])  # B=2 mid-sequence of a B=1 sequence
 

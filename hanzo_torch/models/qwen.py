@@ -290,7 +290,8 @@ class Transformer(nn.Module):
             return (torch.arange(T, device=self.device) + start).unsqueeze(0).expand(B, T)
         if positions.shape != (B, T):
             raise ValueError(f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
-        if positions.device.type == "cpu":  # free here; on an accelerator it would sync, the ops check there
+        if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+            # free on the host; on an accelerator (or in a traced graph) it would sync: the ops check there
             hi = int(positions.max()) if positions.numel() else -1
             if hi >= self.max_context or (positions.numel() and int(positions.min()) < 0):
                 raise ValueError(f"context overflow: position {hi} is outside [0, max_context={self.max_context})")
