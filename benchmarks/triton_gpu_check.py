@@ -12,6 +12,7 @@ Reports (GPU mode):
   bytes per second and the fraction of the copy bandwidth (a decode mat-vec at the memory
   roofline reaches 0.88-0.99 of it, ../shared/DESIGN.md section 5); for formats with a grouped
   rule also the per-value-rule kernel (HANZO_TRITON_GROUPED=0) as an A/B in the same run;
+  the GEMM column uses the grouped weight-tile unpack likewise (A/B by hand with that variable);
 - GEMM (prefill, M=512, bf16) per format: TFLOP/s and the ratio to torch's dense bf16 matmul
   of the same shape;
 - each kernel's result is checked against the op reference (max relative error) before it is
@@ -189,7 +190,8 @@ def aot_check(formats, targets=("cuda:90", "hip:gfx942")) -> int:
                 comp(target, f"gemm {fmt} grouped={grouped}", q._gemm_kernel,
                      dict(x="*bf16", w="*u8", y="*bf16", tab="*fp32", rows_idx="*i64", tile_expert="*i64",
                           M="i32", N="i32", K="i32", rb="i32", x_div="i32", n_experts="i32", DOT=tl.bfloat16,
-                          PREC=("c", "tf32"), GROUPED=grouped, **q._gemm_config(512, None), **fa),
+                          PREC=("c", "tf32"), GROUPED=grouped, GL=q._gemm_group_len(fmt, q._gemm_config(512, None)),
+                          **q._gemm_config(512, None), **fa),
                      {"num_warps": q.GEMM_WARPS, "num_stages": 3})
         comp(target, "quantize_q8_1", q._quantize_q8_1_kernel, dict(x="*bf16", out="*u8", n_blocks="i32", BB=8),
              {"enable_fp_fusion": False})

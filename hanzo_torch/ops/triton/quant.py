@@ -222,7 +222,7 @@ def _matvec_grouped_kernel(x, w, y, tab, ids, N, K, rb, x_div, n_experts,
 @triton.jit
 def _gemm_kernel(x, w, y, tab, rows_idx, tile_expert, M, N, K, rb, x_div, n_experts,
                  FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, DOT: tl.constexpr,
-                 PREC: tl.constexpr, GROUPED: tl.constexpr,
+                 PREC: tl.constexpr, GROUPED: tl.constexpr, GL: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     # Y[BM, BN] tiles of x @ W^T. GROUPED (mul_mat_id prefill): tile t holds the BM slots
     # rows_idx[t*BM : (t+1)*BM] (-1 = padding), all routed to expert tile_expert[t].
@@ -261,7 +261,18 @@ def _gemm_kernel(x, w, y, tab, rows_idx, tile_expert, M, N, K, rb, x_div, n_expe
         k = k0 + tl.arange(0, BK)
         km = k < K
         xt = tl.load(x + xrow[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        wt = unpack_at(wrows, k[:, None], km[:, None] & nm[None, :], tab, FMT, QK, TS)   # [BK, BN]
+        if GL > 0:
+            # grouped form: the scales of each group of GL values are read once per tile
+            G: tl.constexpr = BK // GL
+            kg = k0 + tl.arange(0, G) * GL                                  # [G] group starts
+            bp = wrows[None, :, :] + ((kg // QK) * TS)[:, None, None]      # [G, 1, BN]
+            jg = (kg % QK)[:, None, None]
+            m3 = (kg < K)[:, None, None] & nm[None, None, :]
+            scale, off, aux = group_params(bp, jg // GL, m3, tab, FMT)
+            code = group_code(bp, jg + tl.arange(0, GL)[None, :, None], m3, tab, aux, FMT)  # [G, GL, BN]
+            wt = tl.reshape(scale * code + off, (BK, BN))
+        else:
+            wt = unpack_at(wrows, k[:, None], km[:, None] & nm[None, :], tab, FMT, QK, TS)   # [BK, BN]
         acc = tl.dot(xt.to(DOT), wt.to(DOT), acc, input_precision=PREC)
     tl.store(y + yrow[:, None] * N + n[None, :], acc.to(y.dtype.element_ty),
              mask=rm[:, None] & nm[None, :])
@@ -294,6 +305,12 @@ def _group_len(qtype: str) -> int:
     if os.environ.get("HANZO_TRITON_GROUPED", "1") == "0":
         return 0
     return GROUP_LEN.get(_name(qtype), 0)
+
+
+def _gemm_group_len(qtype: str, cfg: dict) -> int:
+    # grouped weight-tile unpack when the K tile holds whole groups (GL <= BK)
+    gl = _group_len(qtype)
+    return gl if gl and cfg["BK"] % gl == 0 else 0
 
 
 def _gemm_config(M: int, x_dtype: torch.dtype) -> dict:
@@ -358,7 +375,8 @@ def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
         grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
         _gemm_kernel[grid](x2, w, y, tab, x2, x2, M, N, K, rb, 1, 1,
                            FMT=fid, QK=qk, TS=ts, DOT=_dot_dtype(x.dtype), PREC=_prec(x.dtype),
-                           GROUPED=False, **cfg, num_warps=GEMM_WARPS, num_stages=3)
+                           GROUPED=False, GL=_gemm_group_len(qtype, cfg), **cfg, num_warps=GEMM_WARPS,
+                           num_stages=3)
     return y
 
 
@@ -451,7 +469,8 @@ def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) 
     grid = (n_tiles * triton.cdiv(N, cfg["BN"]),)
     _gemm_kernel[grid](xc, w, y, tab, rows_idx, tile_expert, n_tiles * cfg["BM"], N, K, rb, x_div, E,
                        FMT=fid, QK=qk, TS=ts, DOT=_dot_dtype(x.dtype), PREC=_prec(x.dtype),
-                       GROUPED=True, **cfg, num_warps=GEMM_WARPS, num_stages=3)
+                       GROUPED=True, GL=_gemm_group_len(qtype, cfg), **cfg, num_warps=GEMM_WARPS,
+                       num_stages=3)
     return y
 
 
