@@ -11,7 +11,6 @@ MoE routing.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
