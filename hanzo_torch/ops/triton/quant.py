@@ -339,7 +339,8 @@ def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
         w: ``uint8 [N, row_bytes(K)]`` packed in ``qtype``.
     Returns:
         ``[..., N]`` in ``x.dtype`` (float32 accumulation). M = x.numel() / K rows up to
-        :data:`MATVEC_MAX_M` take the mat-vec kernel, more the tiled GEMM.
+        :data:`MATVEC_MAX_M` take the mat-vec kernel (M == 1: its grouped form), more the
+        tiled GEMM.
     Raises:
         ValueError: dtype, shape or format problems, named.
     """
@@ -434,6 +435,8 @@ def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) 
     if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"mul_mat_id: ids must be an integer [T, k] tensor, got {ids.dtype} {tuple(ids.shape)}")
     E, N, rb = w.shape
+    if E == 0:
+        raise ValueError("mul_mat_id: the stacked weight has no experts (E = 0)")
     K = _row_length(rb, qk, ts, qtype, "mul_mat_id")
     T, kk = ids.shape
     if x.dim() == 2 and x.shape == (T, K):
