@@ -34,36 +34,44 @@ sys.path.insert(0, ROOT)
 
 
 def _median_time(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` (CUDA events on a GPU; wall clock otherwise, for dry runs)."""
     import torch
 
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+        if gpu:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2]
 
 
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s (read + write) of a 1 GiB buffer."""
+def copy_bandwidth(device: str = "cuda", n: int = 1 << 30) -> float:
+    """Device copy bandwidth in bytes/s (read + write) of an ``n``-byte buffer."""
     import torch
 
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     t = _median_time(lambda: dst.copy_(src), reps=10)
     del src, dst
     return 2 * n / t
 
 
-def bench_formats(formats, budget_s: float, N: int = 14336, K: int = 4096, M_gemm: int = 512) -> list[str]:
+def bench_formats(formats, budget_s: float, N: int = 14336, K: int = 4096, M_gemm: int = 512,
+                  device: str = "cuda", reps: int = 20) -> list[str]:
     import torch
 
     from hanzo_torch.ops.quant import mul_mat_reference
@@ -71,42 +79,42 @@ def bench_formats(formats, budget_s: float, N: int = 14336, K: int = 4096, M_gem
     from hanzo_torch.ops.triton._testing import random_packed
 
     t_start = time.monotonic()
-    bw = copy_bandwidth()
-    lines = [f"copy bandwidth: {bw / 1e9:.0f} GB/s (1 GiB dst.copy_(src), read+write)"]
-    xg = torch.randn(M_gemm, K, device="cuda", dtype=torch.bfloat16)
-    wd = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-    t_dense = _median_time(lambda: xg @ wd.t())
+    bw = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 20))
+    lines = [f"copy bandwidth: {bw / 1e9:.0f} GB/s (dst.copy_(src) of 1 GiB, read+write)"]
+    xg = torch.randn(M_gemm, K, device=device, dtype=torch.bfloat16)
+    wd = torch.randn(N, K, device=device, dtype=torch.bfloat16)
+    t_dense = _median_time(lambda: xg @ wd.t(), reps=reps)
     dense_tflops = 2 * M_gemm * N * K / t_dense / 1e12
     lines.append(f"torch dense bf16 GEMM {M_gemm}x{N}x{K}: {dense_tflops:.1f} TFLOP/s")
     del wd
     lines.append(f"{'format':8} {'bpw':>5} {'matvec GB/s':>11} {'of copy':>7} {'us':>8} {'err':>8} | "
                  f"{'GEMM TF/s':>9} {'of dense':>8} {'err':>8}")
-    x1 = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    x1 = torch.randn(1, K, device=device, dtype=torch.bfloat16)
     for qtype in formats:
         if time.monotonic() - t_start > budget_s:
             lines.append(f"{qtype:8} skipped: --budget-s {budget_s:.0f} s spent")
             continue
         try:
-            w = random_packed(qtype, (N, K), seed=0).to("cuda")
+            w = random_packed(qtype, (N, K), seed=0).to(device)
             nbytes = w.numel()
             bpw = 8 * nbytes / (N * K)
             y = quant.mul_mat(x1, w, qtype)
             r = mul_mat_reference(x1, w, qtype)
             e1 = ((y.float() - r.float()).abs().max() / r.float().abs().max()).item()
-            t1 = _median_time(lambda: quant.mul_mat(x1, w, qtype))
+            t1 = _median_time(lambda: quant.mul_mat(x1, w, qtype), reps=reps)
             gbs = nbytes / t1
             ok1 = "FAIL" if not e1 < 2e-2 else f"{e1:.1e}"
             yg = quant.mul_mat(xg, w, qtype)
             rg = mul_mat_reference(xg, w, qtype)
             eg = ((yg.float() - rg.float()).abs().max() / rg.float().abs().max()).item()
-            tg = _median_time(lambda: quant.mul_mat(xg, w, qtype), reps=10)
+            tg = _median_time(lambda: quant.mul_mat(xg, w, qtype), reps=max(reps // 2, 1))
             tf = 2 * M_gemm * N * K / tg / 1e12
             okg = "FAIL" if not eg < 2e-2 else f"{eg:.1e}"
             ab = ""
             if quant._group_len(qtype):  # A/B: the same decode through the per-value rules
                 os.environ["HANZO_TRITON_GROUPED"] = "0"
                 try:
-                    te = _median_time(lambda: quant.mul_mat(x1, w, qtype))
+                    te = _median_time(lambda: quant.mul_mat(x1, w, qtype), reps=reps)
                 finally:
                     os.environ.pop("HANZO_TRITON_GROUPED", None)
                 ab = f"  (element rules: {nbytes / te / 1e9:.0f} GB/s)"
