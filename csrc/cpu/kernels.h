@@ -249,6 +249,63 @@ template <> struct Hooks<FIQ4_NL> {
     }
 };
 
+template <> struct Hooks<FMXFP4> {
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    typedef Prep32 Prep;
+    static inline void prep(const uint8_t* b, Prep& p) {
+        uint32_t e = b[0], bits = e < 2 ? (0x00200000u << e) : ((e - 1) << 23);
+        memcpy(&p.d, &bits, 4);
+        p.dmin = 0.f;
+    }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_mxfp4_));
+        return _mm256_shuffle_epi8(tab, nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 1))));
+    }
+};
+template <> struct Hooks<FIQ4_XS> {
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    typedef PrepK Prep;
+    static inline void prep(const uint8_t* b, Prep& p) {
+        alignas(32) int16_t sc[16];
+        const uint16_t sh = rd_u16(b + 2);
+        const uint8_t* sl = b + 4;
+        for (int ib = 0; ib < 8; ++ib)
+            sc[2 * ib] = sc[2 * ib + 1] = (int16_t)((((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)) - 32);
+        p.sc16 = _mm256_load_si256((const __m256i*)sc);
+        p.d = f16c(b);
+        p.dmin = 0.f;
+    }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_iq4nl_));
+        return _mm256_shuffle_epi8(tab, nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 8 + 16 * c))));
+    }
+};
+template <> struct Hooks<FQ3_K> {  // unsigned q3 = 2 low bits | high bit << 2, min 4*sc
+    static constexpr bool SIGNED = false, HAS_MIN = true;
+    typedef PrepK Prep;
+    static inline void prep(const uint8_t* b, Prep& p) {
+        alignas(32) int16_t sc[16];
+        const uint8_t* s = b + 96;
+        for (int g = 0; g < 16; ++g) {
+            int lo = g < 8 ? (s[g] & 15) : (s[g - 8] >> 4);
+            int hi = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+            sc[g] = (int16_t)((lo | (hi << 4)) - 32);
+        }
+        p.sc16 = _mm256_load_si256((const __m256i*)sc);
+        p.mn16 = _mm256_slli_epi16(p.sc16, 2);
+        p.d = f16c(b + 108);
+        p.dmin = p.d;
+    }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
+        const int h = c >> 2, j = c & 3, hs = 4 * h + j;
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 + 32 * h)), 2 * j),
+                                     _mm256_set1_epi8(3));
+        __m256i hb = _mm256_loadu_si256((const __m256i*)b);
+        hb = hs >= 2 ? _mm256_srli_epi16(hb, hs - 2) : _mm256_slli_epi16(hb, 2 - hs);
+        return _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(4)));
+    }
+};
+
 static const __m256i* hz_ones16() { static const int16_t o[16] __attribute__((aligned(32))) = {1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}; return (const __m256i*)o; }
 
 // Mat-vec for MR (1..4) activation rows: each weight block is unpacked once and dotted with
