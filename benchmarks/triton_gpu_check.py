@@ -215,11 +215,16 @@ def aot_check(formats, targets=("cuda:90", "hip:gfx942")) -> int:
         comp(target, "kv_cache_write", f._kv_write_kernel,
              dict(kc="*bf16", vc="*bf16", k="*bf16", v="*bf16", pos="*i64", T="i32", S="i32", cs_b="i64",
                   cs_s="i64", HD="i32", BLOCK=1024), {})
-        comp(target, "attention D=128", f._attention_kernel,
-             dict(q="*bf16", kc="*bf16", vc="*bf16", out="*bf16", pos="*i64", T="i32", S="i32", Hq="i32",
-                  Hk="i32", G="i32", scale="fp32", qs_b="i64", qs_t="i64", qs_h="i64", cs_b="i64", cs_s="i64",
-                  cs_h="i64", D=128, BD=128, BR=16, BS=f.ATTN_BS, QK_DOT=tl.bfloat16, QK_PREC=("c", "tf32")),
-             {"num_warps": 4})
+        for split in (False, True):
+            comp(target, f"attention D=128 split={split}", f._attention_kernel,
+                 dict(q="*bf16", kc="*bf16", vc="*bf16", out="*bf16", pos="*i64", ws_m="*fp32", ws_l="*fp32",
+                      ws_acc="*fp32", T="i32", S="i32", Hq="i32", Hk="i32", G="i32", scale="fp32", chunk="i32",
+                      qs_b="i64", qs_t="i64", qs_h="i64", cs_b="i64", cs_s="i64", cs_h="i64", D=128, BD=128,
+                      BR=16, BS=f.ATTN_BS, QK_DOT=tl.bfloat16, QK_PREC=("c", "tf32"), SPLIT=split),
+                 {"num_warps": 4})
+        comp(target, "attention combine D=128", f._attention_combine_kernel,
+             dict(ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32", out="*bf16", T="i32", Hq="i32", Hk="i32", G="i32",
+                  n_split="i32", D=128, BD=128, BR=16), {"num_warps": 4})
     print(f"AOT check: {failures} failure(s)")
     return failures
 

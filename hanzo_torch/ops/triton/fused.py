@@ -269,19 +269,25 @@ def kv_cache_write(k_cache, v_cache, k, v, positions) -> None:
 # attention
 
 @triton.jit
-def _attention_kernel(q, kc, vc, out, pos, T, S, Hq, Hk, G, scale,
+def _attention_kernel(q, kc, vc, out, pos, ws_m, ws_l, ws_acc, T, S, Hq, Hk, G, scale, chunk,
                       qs_b, qs_t, qs_h, cs_b, cs_s, cs_h,
                       D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
-                      QK_DOT: tl.constexpr, QK_PREC: tl.constexpr):
+                      QK_DOT: tl.constexpr, QK_PREC: tl.constexpr, SPLIT: tl.constexpr):
     # Program (b * Hk + kv head, row block). Rows are (t, g) pairs: the G query heads sharing
     # one KV head are stacked into the M dim of the dots, so decode (T = 1) still fills a tile.
     # Online softmax in float32; P*V in float32 (DESIGN section 6: bf16 P broke Qwen3-8B).
+    # SPLIT (decode, one row block): program_id(1) is a split of the keys [split * chunk,
+    # (split + 1) * chunk); the unnormalized (m, l, acc) go to the workspace and
+    # _attention_combine_kernel merges them, so a long cache is read by many programs.
     pid = tl.program_id(0)
     b = (pid // Hk).to(tl.int64)
     hk = pid % Hk
     TPB = BR // G  # query positions per row block
     r = tl.arange(0, BR)
-    t = tl.program_id(1) * TPB + r // G
+    if SPLIT:
+        t = r // G
+    else:
+        t = tl.program_id(1) * TPB + r // G
     g = r % G
     rm = (r < TPB * G) & (t < T)
     hq = hk * G + g
@@ -291,11 +297,15 @@ def _attention_kernel(q, kc, vc, out, pos, T, S, Hq, Hk, G, scale,
     qt = tl.load(q + b * qs_b + t.to(tl.int64)[:, None] * qs_t + hq[:, None] * qs_h + d[None, :],
                  mask=rm[:, None] & dm[None, :], other=0.0)
     hi = tl.minimum(tl.max(p_row, axis=0) + 1, S)
+    lo = 0
+    if SPLIT:
+        lo = tl.program_id(1) * chunk
+        hi = tl.minimum(hi, lo + chunk)
     m_i = tl.full((BR,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BR,), dtype=tl.float32)
     acc = tl.zeros((BR, BD), dtype=tl.float32)
     cbase = b * cs_b + hk * cs_h
-    for s0 in range(0, hi, BS):
+    for s0 in range(lo, hi, BS):
         s = s0 + tl.arange(0, BS)
         sm = s < hi
         kt = tl.load(kc + cbase + s.to(tl.int64)[:, None] * cs_s + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
@@ -310,7 +320,45 @@ def _attention_kernel(q, kc, vc, out, pos, T, S, Hq, Hk, G, scale,
         vt = tl.load(vc + cbase + s.to(tl.int64)[:, None] * cs_s + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
         acc = acc * corr[:, None] + tl.dot(pr, vt.to(tl.float32), input_precision="ieee")
         m_i = m_new
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLIT:
+        w = (pid.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * BR + r   # workspace rows
+        tl.store(ws_m + w, m_i)
+        tl.store(ws_l + w, l_i)
+        tl.store(ws_acc + w[:, None] * BD + d[None, :], acc)
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out + ((b * T + t.to(tl.int64)) * Hq + hq)[:, None] * D + d[None, :],
+                 o.to(out.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+@triton.jit
+def _attention_combine_kernel(ws_m, ws_l, ws_acc, out, T, Hq, Hk, G, n_split,
+                              D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    # Merge the n_split partial softmax states of one (b, kv head) row block (flash-decoding).
+    pid = tl.program_id(0)
+    b = (pid // Hk).to(tl.int64)
+    hk = pid % Hk
+    r = tl.arange(0, BR)
+    t = r // G
+    g = r % G
+    rm = (r < (BR // G) * G) & (t < T)
+    hq = hk * G + g
+    d = tl.arange(0, BD)
+    dm = d < D
+    m_run = tl.full((BR,), float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros((BR,), dtype=tl.float32)
+    o_run = tl.zeros((BR, BD), dtype=tl.float32)
+    for sp in range(0, n_split):
+        w = (pid.to(tl.int64) * n_split + sp) * BR + r
+        m = tl.load(ws_m + w)
+        m_new = tl.maximum(m_run, m)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        c_old = tl.exp(m_run - m_safe)
+        c_new = tl.exp(m - m_safe)
+        l_run = l_run * c_old + tl.load(ws_l + w) * c_new
+        o_run = o_run * c_old[:, None] + tl.load(ws_acc + w[:, None] * BD + d[None, :]) * c_new[:, None]
+        m_run = m_new
+    o = o_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
     tl.store(out + ((b * T + t.to(tl.int64)) * Hq + hq)[:, None] * D + d[None, :], o.to(out.dtype.element_ty),
              mask=rm[:, None] & dm[None, :])
 
@@ -319,6 +367,13 @@ ATTN_BS = 32
 """Keys per step of the attention kernel; with 16-row blocks at 4 warps and D <= 128 the sm_90
 compile is spill-free (benchmarks/triton_gpu_check.py --aot)."""
 
+ATTN_SPLIT_CHUNK = 512
+"""Keys per program of the split (flash-decoding) attention, taken when all queries of a
+(batch, KV head) fit one row block (decode) and the cache holds more keys than this: without
+it decode runs only B * Hk programs (8 for Qwen3-8B), each walking the whole context. The split
+count is fixed by the cache length, not the positions, so the launch is graph-capturable; splits
+past the largest position exit at once. Retune with a GPU profile."""
+
 
 def attention(q, k_cache, v_cache, positions, scale: float, impl: str) -> torch.Tensor:
     """Triton ``hanzo::attention``: causal-by-position GQA of ``q [B, T, Hq, D]`` against the caches.
@@ -326,7 +381,9 @@ def attention(q, k_cache, v_cache, positions, scale: float, impl: str) -> torch.
     One kernel serves every ``impl`` ("eager", "flash", "auto"): an online-softmax kernel whose
     P*V stays float32, which is the precision the eager reference guarantees. Keys past the
     largest position of a row block are never read. Positions are not range-checked (that
-    would need a host sync): one >= S sees the whole cache, a negative one nothing (zeros). Returns a contiguous ``[B, T, Hq, D]`` in q.dtype.
+    would need a host sync): one >= S sees the whole cache, a negative one nothing (zeros).
+    Decode against a long cache splits the keys over programs (:data:`ATTN_SPLIT_CHUNK`).
+    Returns a contiguous ``[B, T, Hq, D]`` in q.dtype.
     """
     B, T, Hq, D = q.shape
     S, Hk = k_cache.shape[1], k_cache.shape[2]
@@ -347,11 +404,23 @@ def attention(q, k_cache, v_cache, positions, scale: float, impl: str) -> torch.
     TPB = BR // G
     BD = max(16, triton.next_power_of_2(D))
     qk_dot = tl.float32 if (q.dtype == torch.float32 or _interpreting(_attention_kernel)) else _TL[q.dtype]
-    grid = (B * Hk, triton.cdiv(T, TPB))
-    _attention_kernel[grid](q, k_cache, v_cache, out, positions.contiguous(), T, S, Hq, Hk, G, float(scale),
-                            q.stride(0), q.stride(1), q.stride(2),
-                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                            D=D, BD=BD, BR=BR, BS=ATTN_BS, QK_DOT=qk_dot,
-                            QK_PREC="ieee" if qk_dot == tl.float32 else "tf32",
-                            num_warps=4 if BR <= 16 else 8)
+    n_rb = triton.cdiv(T, TPB)
+    split = n_rb == 1 and S > ATTN_SPLIT_CHUNK
+    n_split = triton.cdiv(S, ATTN_SPLIT_CHUNK) if split else 1
+    if split:
+        ws_m = torch.empty((B * Hk * n_split * BR,), dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty((B * Hk * n_split * BR, BD), dtype=torch.float32, device=q.device)
+    else:
+        ws_m = ws_l = ws_acc = out
+    pos = positions.contiguous()
+    warps = 4 if BR <= 16 else 8
+    _attention_kernel[(B * Hk, n_split if split else n_rb)](
+        q, k_cache, v_cache, out, pos, ws_m, ws_l, ws_acc, T, S, Hq, Hk, G, float(scale), ATTN_SPLIT_CHUNK,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        D=D, BD=BD, BR=BR, BS=ATTN_BS, QK_DOT=qk_dot, QK_PREC="ieee" if qk_dot == tl.float32 else "tf32",
+        SPLIT=split, num_warps=warps)
+    if split:
+        _attention_combine_kernel[(B * Hk,)](ws_m, ws_l, ws_acc, out, T, Hq, Hk, G, n_split,
+                                             D=D, BD=BD, BR=BR, num_warps=warps)
     return out
