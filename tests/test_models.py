@@ -14,9 +14,13 @@ Error bounds (relative: max |ours - theirs| / max |theirs| over all logits):
   the ``HANZO_<OP>_FALLBACK`` references, which dequantize to float32 and multiply). float32
   rounding (eps 6e-8) over dot products of length <= 768 and two layers gives about 1e-6
   (measured 2e-7 to 5e-7); a wrong RoPE, norm, bias, head layout or expert choice gives O(1).
-* ``KERNEL_RTOL = 0.1`` for P on the fast kernels: they quantize activations to int8 per block
-  (ggml q8_1/q8_K), a relative rounding of up to 2^-8 per value, about 0.5% per matmul measured,
-  2-4% on the logits after 7-8 chained matmuls. A wrong row, scale or expert is O(1).
+* For P on the fast kernels, which quantize activations to int8 per block (ggml q8_1/q8_K, a
+  relative rounding of up to 2^-8 per value, about 0.5% per matmul): per position,
+  max |diff| / max |logit|, median over positions < ``KERNEL_MEDIAN_RTOL = 1e-2`` (measured
+  2e-3 to 5e-3) and max < ``KERNEL_MAX_RTOL = 0.25`` (measured up to 5e-2: in the MoE model a
+  rounding-level change flips a near-tied expert choice for one token), and the teacher-forced
+  greedy token agrees at >= 90% of positions (measured 100%). A wrong row, scale or expert is
+  O(1) everywhere.
 * ``SHAPE_RTOL = 1e-2`` when the same packed model on the fast kernels sees the same tokens in
   different shapes (batch vs single, prefill vs decode): a kernel may quantize activations
   differently on its mat-vec and GEMM paths (measured 1.4e-3). A KV-cache slot, position or
@@ -38,7 +42,8 @@ from tests.gguf_builders import tiny_spec, tokenizer_metadata, write_tiny_gguf
 transformers = pytest.importorskip("transformers")
 
 DENSE_RTOL = 1e-4
-KERNEL_RTOL = 0.1
+KERNEL_MEDIAN_RTOL = 1e-2
+KERNEL_MAX_RTOL = 0.25
 SHAPE_RTOL = 1e-2
 N_GREEDY = 32
 MAX_CONTEXT = 128
@@ -168,12 +173,17 @@ def test_packed_references_match_transformers(zoo, arch, references):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_kernels_match_transformers(zoo, arch):
-    """Packed file on whatever kernels are registered (int8-dot on CPU): within KERNEL_RTOL."""
+    """Packed file on whatever kernels are registered (int8-dot on CPU): see the module docstring."""
     _, hf_seq, hf_logits = zoo.hf(arch)
     model = zoo.model(arch, "packed")
     with torch.no_grad():
-        err = rel_err(model(hf_seq), hf_logits)
-    assert err < KERNEL_RTOL, err
+        logits = model(hf_seq)
+    per_pos = ((logits - hf_logits).abs().amax(-1) / hf_logits.abs().amax(-1))[0]
+    assert per_pos.median().item() < KERNEL_MEDIAN_RTOL, per_pos
+    assert per_pos.max().item() < KERNEL_MAX_RTOL, per_pos
+    P = zoo.prompt.shape[1]
+    agree = (logits[0, P - 1 : -1].argmax(-1) == hf_seq[0, P:]).float().mean().item()
+    assert agree >= 0.9, agree
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2"])
