@@ -191,7 +191,7 @@ def test_decode_step_graph_replay_reads_device_position(tk):
     position held in a device tensor, matching eager at every token (DESIGN section 4)."""
     from hanzo_torch.ops.triton._testing import random_packed
 
-    H, Hq, Hk, D, S = 1024, 8, 2, 128, 64
+    H, Hq, Hk, D, S = 1024, 8, 2, 128, 600  # S > ATTN_SPLIT_CHUNK: the split decode is captured too
     w = random_packed("Q4_K", ((Hq + 2 * Hk) * D, H), seed=5).to(DEV)
     kc = torch.zeros(1, S, Hk, D, device=DEV, dtype=torch.bfloat16)
     vc = torch.zeros_like(kc)
@@ -211,7 +211,7 @@ def test_decode_step_graph_replay_reads_device_position(tk):
     with torch.cuda.graph(g):
         out = step()
     kc.zero_(), vc.zero_()
-    for t in range(20):
+    for t in list(range(12)) + [511, 512, 513, 599]:  # across the split boundary
         pos.fill_(t)
         x.normal_()
         g.replay()
