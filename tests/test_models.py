@@ -237,6 +237,21 @@ def test_batch_of_two_equals_single_sequences(zoo, arch):
             model(seqs[:, :1])  # B=2 mid-sequence of a B=1 sequence
 
 
+def test_bfloat16_compute(zoo):
+    """dtype=bfloat16: activations and KV cache in bf16, logits still float32, close to float32
+    (bf16 keeps 8 mantissa bits: ~0.4% per rounding; measured per-position median 5e-3)."""
+    packed, _ = zoo.files("qwen3moe")
+    m32 = hanzo_torch.load(packed, max_context=32)
+    m16 = hanzo_torch.load(packed, max_context=32, dtype=torch.bfloat16)
+    ids = torch.randint(0, 151643, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a, b = m32(ids), m16(ids)
+    assert b.dtype == torch.float32 and m16.blk[0].k_cache.dtype == torch.bfloat16
+    per_pos = ((a - b).abs().amax(-1) / a.abs().amax(-1))[0]
+    assert per_pos.median().item() < 3e-2, per_pos
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+
+
 def test_context_overflow_raises(zoo):
     _, dense = zoo.files("qwen3")
     model = hanzo_torch.load(dense, max_context=8)
