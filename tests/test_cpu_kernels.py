@@ -195,6 +195,20 @@ def test_get_rows(ext, qtype):
         hcpu.get_rows(w, torch.tensor([9]), qtype, torch.float32)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_op_uses_kernel_bit_exact(ext, qtype, monkeypatch):
+    K = 256
+    w = random_blocks(qtype, 6, K, seed=8).reshape(2, 3, -1)
+    ref = gguf_dequant(qtype, w.reshape(6, -1), K).reshape(2, 3, K)
+    calls = []
+    monkeypatch.setattr(ext, "dequantize_rows", lambda *a, _f=ext.dequantize_rows: calls.append(1) or _f(*a))
+    out = torch.ops.hanzo.dequantize(w, qtype, [2, 3, K], torch.float32)
+    assert calls and torch.equal(out, ref)
+    assert torch.equal(torch.ops.hanzo.dequantize(w, qtype, [2, 3, K], torch.bfloat16), ref.bfloat16())
+    with pytest.raises(ValueError):
+        torch.ops.hanzo.dequantize(w, qtype, [2, 4, K], torch.float32)
+
+
 def test_bad_inputs_raise_clear_errors(ext):
     w = random_blocks("Q4_K", 4, 256, seed=6)
     with pytest.raises(RuntimeError, match="features"):

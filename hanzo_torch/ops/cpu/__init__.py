@@ -17,6 +17,7 @@ Kernels (one generic C++ body per contraction, instantiated per format trait and
                     into an L1 buffer and runs a register-blocked int8 tile.
     ``mul_mat_id``  the same, per expert, on the rows routed to it (tokens grouped by expert).
     ``get_rows``    per-row dequantization (float32, then cast).
+    ``dequantize``  whole-tensor dequantization, parallel over rows (bit-identical to gguf).
 Instruction sets, chosen at run time from the CPU: ``avx512`` (AVX-512 VL/BW + VNNI),
 ``avx2`` (AVX2 + FMA + F16C), ``scalar`` (portable C++). ``HANZO_CPU_ISA=scalar|avx2|avx512``
 forces one (for tests and A/B); ``HANZO_MUL_MAT_FALLBACK=1`` etc. select the torch reference.
@@ -28,6 +29,7 @@ scale (block max / 127) of the block holding ``x_k`` (see tests/test_cpu_kernels
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 import warnings
@@ -39,7 +41,7 @@ import torch
 from .. import _common
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
-           "mul_mat", "mul_mat_id", "get_rows", "build"]
+           "mul_mat", "mul_mat_id", "get_rows", "dequantize", "build"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
@@ -283,12 +285,33 @@ def get_rows(w: torch.Tensor, ids: torch.Tensor, qtype: str, dtype: torch.dtype,
     return rows.reshape(*ids.shape, rows.shape[-1]).to(dtype)
 
 
+def dequantize(data: torch.Tensor, qtype: str, shape, dtype: torch.dtype, *, isa=None) -> torch.Tensor:
+    """Packed ``uint8`` blocks -> ``dtype`` tensor of ``shape`` (bit-identical to ``gguf.quants.dequantize``
+    in float32). Malformed input is handed to the reference, which raises its ValueError."""
+    ext = extension()
+    ref = _reference("dequantize")
+    shape = tuple(int(v) for v in shape)
+    if ext is None or data.dtype != torch.uint8 or not shape or shape[-1] <= 0:
+        return ref(data, qtype, shape, dtype)
+    from ...formats import get_format
+
+    fmt = get_format(qtype)
+    if shape[-1] % fmt.block_size:
+        return ref(data, qtype, shape, dtype)
+    rows, rb = math.prod(shape[:-1]), fmt.row_bytes(shape[-1])
+    if rows == 0 or data.numel() != rows * rb:
+        return ref(data, qtype, shape, dtype)
+    out = ext.dequantize_rows(data.reshape(rows, rb), fmt.type_id, _isa(isa))
+    return out.reshape(shape).to(dtype)
+
+
 def _register() -> None:
     if not _SRC_DIR.is_dir():  # installed without the C++ sources: nothing to register
         return
     _common.register_kernel("mul_mat", "cpu", mul_mat, qtypes=SUPPORTED_QTYPES)
     _common.register_kernel("mul_mat_id", "cpu", mul_mat_id, qtypes=SUPPORTED_QTYPES)
     _common.register_kernel("get_rows", "cpu", get_rows, qtypes=SUPPORTED_QTYPES)
+    _common.register_kernel("dequantize", "cpu", dequantize, qtypes=SUPPORTED_QTYPES)
 
 
 _register()
