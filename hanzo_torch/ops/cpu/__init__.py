@@ -198,15 +198,26 @@ def _self_check(ext, level: int) -> bool:
     return ok
 
 
+_default_isa_cache: dict = {}
+
+
 def default_isa() -> int:
     """The ISA level used by default: ``HANZO_CPU_ISA`` if set, else the best this CPU runs that
-    passes a one-time self-check against the scalar path."""
+    passes a one-time self-check against the scalar path (cached per value of the variable)."""
+    forced = os.environ.get("HANZO_CPU_ISA", "")
+    level = _default_isa_cache.get(forced)
+    if level is None:
+        level = _default_isa_cache[forced] = _choose_isa(forced)
+    return level
+
+
+def _choose_isa(forced: str) -> int:
     global _levels_cache
     ext = extension()
     if _levels_cache is None:
         _levels_cache = list(ext.supported_isas())
     levels = _levels_cache
-    forced = os.environ.get("HANZO_CPU_ISA", "").strip().lower()
+    forced = forced.strip().lower()
     if forced:
         if forced not in _ISA_BY_NAME:
             raise ValueError(f"HANZO_CPU_ISA={forced!r}: expected one of {', '.join(_ISA_BY_NAME)}")
@@ -258,10 +269,12 @@ def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str, *, isa=None, mv_max_ro
     ext = extension()
     if ext is None:
         return _reference("mul_mat")(x, w, qtype)
-    K = x.shape[-1]
-    y = ext.mul_mat(x.reshape(-1, K), w, _type_id(qtype), _isa(isa),
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    y = ext.mul_mat(x2, w, _type_id(qtype), default_isa() if isa is None else _isa(isa),
                     MV_MAX_ROWS if mv_max_rows is None else int(mv_max_rows))
-    return y.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
+    if x.dim() != 2:
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str, *, isa=None,
