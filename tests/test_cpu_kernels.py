@@ -250,3 +250,22 @@ def test_forced_isa_env(ext, monkeypatch):
 def test_isa_self_check_passes_on_this_cpu(ext):
     for level in ext.supported_isas():
         assert hcpu._self_check(ext, level), hcpu.ISA_NAMES[level]
+
+
+def test_build_failure_warns_once_and_runs_the_reference(ext, monkeypatch):
+    def broken_build(verbose=False):
+        raise RuntimeError("no C++ compiler found (simulated)")
+
+    monkeypatch.setattr(hcpu, "_ext", None)
+    monkeypatch.setattr(hcpu, "_failed", None)
+    monkeypatch.setattr(hcpu, "build", broken_build)
+    w = random_blocks("Q4_K", 3, 256, seed=9)
+    x = torch.randn(2, 256)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        y = torch.ops.hanzo.mul_mat(x, w, "Q4_K")
+    assert torch.equal(y, quant.mul_mat_reference(x, w, "Q4_K"))
+    import warnings as _w
+    with _w.catch_warnings():
+        _w.simplefilter("error")  # the second call does not warn again
+        assert torch.equal(hcpu.get_rows(w, torch.tensor([2]), "Q4_K", torch.float32),
+                           quant.get_rows_reference(w, torch.tensor([2]), "Q4_K", torch.float32))
