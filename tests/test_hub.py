@@ -89,7 +89,7 @@ def test_corrupted_file_is_reported_and_replaced(tmp_path, cache, data, capsys):
     index = FakeIndex(tmp_path, data, 3)
     spec = _spec(data, 3)
     path = pull(quiet=True, spec=spec, downloader=index)
-    path.write_bytes(b"\0" + data[1:])  # same size, different content
+    path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # same size, different content
     # The verification cache is keyed on (size, mtime_ns); a rewrite inside one file-system
     # timestamp tick would keep the mtime, so move it as any real rewrite does.
     os.utime(path, ns=(1, 1))
