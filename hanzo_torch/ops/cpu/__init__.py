@@ -18,6 +18,8 @@ Kernels (one generic C++ body per contraction, instantiated per format trait and
     ``mul_mat_id``  the same, per expert, on the rows routed to it (tokens grouped by expert).
     ``get_rows``    per-row dequantization (float32, then cast).
     ``dequantize``  whole-tensor dequantization, parallel over rows (bit-identical to gguf).
+    fused ops       rms_norm, add_rms_norm, qk_norm_rope, swiglu, kv_cache_write, attention and
+                    moe_route (csrc/cpu/fused.cpp, registered by :mod:`.fused`).
 Instruction sets, chosen at run time from the CPU: ``avx512`` (AVX-512 VL/BW + VNNI),
 ``avx2`` (AVX2 + FMA + F16C), ``scalar`` (portable C++). ``HANZO_CPU_ISA=scalar|avx2|avx512``
 forces one (for tests and A/B); ``HANZO_MUL_MAT_FALLBACK=1`` etc. select the torch reference.
@@ -62,7 +64,7 @@ _GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S")
 # A wheel ships the sources as hanzo_torch/_csrc (setup.py); a checkout has them in csrc/.
 _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
-_SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
+_SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "fused.cpp")
 _HEADERS = ("hz_api.h", "formats.h", "kernels.h")
 
 _lock = threading.Lock()
@@ -327,6 +329,7 @@ def _register() -> None:
     _common.register_kernel("mul_mat_id", "cpu", mul_mat_id, qtypes=SUPPORTED_QTYPES)
     _common.register_kernel("get_rows", "cpu", get_rows, qtypes=SUPPORTED_QTYPES)
     _common.register_kernel("dequantize", "cpu", dequantize, qtypes=SUPPORTED_QTYPES)
+    from . import fused  # noqa: F401  registers rms_norm, attention, ... (csrc/cpu/fused.cpp)
 
 
 _register()

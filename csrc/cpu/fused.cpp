@@ -1,0 +1,386 @@
+// CPU kernels of the small fused transformer ops (hanzo::rms_norm, add_rms_norm, qk_norm_rope,
+// swiglu, kv_cache_write, attention, moe_route). Each is one pass of plain loops over rows in
+// float32 (f16/bf16 inputs are converted per element, results rounded once to the input dtype),
+// with the same maths as the references in hanzo_torch/ops/fused.py.
+//
+// Registered with the torch dispatcher as the namespace ``hanzo_cpu`` (so this file needs no hook in
+// the pybind module of ops.cpp); hanzo_torch/ops/cpu/fused.py calls them after the op wrappers in
+// hanzo_torch/ops/fused.py have checked shapes and dtypes. The kernels re-check what guards memory
+// (shapes, position bounds) and make their inputs contiguous.
+//
+// Threading: decode shapes are a few thousand floats per op, where waking the intra-op pool costs
+// more than the work, so at::parallel_for is used only above kParallelWork floats of work.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kParallelWork = 1 << 16;  // floats touched below which one thread does the op
+
+template <typename T>
+inline float ld(T v) { return static_cast<float>(v); }
+template <typename T>
+inline T st(float v) { return static_cast<T>(v); }
+
+// Runs body(i0, i1) over [0, n): inline when the total work (n * per_item floats) is small.
+template <typename F>
+void for_rows(int64_t n, int64_t per_item, const F& body) {
+    if (n <= 0) return;
+    if (n * std::max<int64_t>(per_item, 1) < kParallelWork || at::get_num_threads() == 1) {
+        body(0, n);
+        return;
+    }
+    const int64_t grain = std::max<int64_t>(1, kParallelWork / 4 / std::max<int64_t>(per_item, 1));
+    at::parallel_for(0, n, grain, body);
+}
+
+// 8 independent partial sums so the compiler can vectorize the reduction.
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+inline float sumsq_f32(const float* a, int64_t n) { return dot_f32(a, a, n); }
+
+std::vector<float> weight_f32(const at::Tensor& w) {
+    at::Tensor wf = w.to(at::kFloat).contiguous();
+    const float* p = wf.data_ptr<float>();
+    return std::vector<float>(p, p + wf.numel());
+}
+
+void check_cpu(const at::Tensor& t, const char* op, const char* name) {
+    TORCH_CHECK(t.device().is_cpu(), "hanzo_cpu.", op, ": ", name, " must be a CPU tensor");
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * w over one row of H floats (in place allowed).
+inline void norm_row(const float* x, const float* w, float eps, int64_t H, float* y) {
+    const float inv = 1.0f / std::sqrt(sumsq_f32(x, H) / static_cast<float>(H) + eps);
+    for (int64_t i = 0; i < H; ++i) y[i] = (x[i] * inv) * w[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// rms_norm / add_rms_norm
+// ---------------------------------------------------------------------------------------------
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+    check_cpu(x_in, "rms_norm", "x");
+    TORCH_CHECK(w.dim() == 1 && x_in.dim() >= 1 && w.size(0) == x_in.size(-1), "hanzo_cpu.rms_norm: w must be [H]");
+    const at::Tensor x = x_in.contiguous();
+    at::Tensor y = at::empty_like(x);
+    const int64_t H = x.size(-1), R = H ? x.numel() / H : 0;
+    const std::vector<float> wf = weight_f32(w);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "hanzo_cpu_rms_norm", [&] {
+        const scalar_t* xp = x.data_ptr<scalar_t>();
+        scalar_t* yp = y.data_ptr<scalar_t>();
+        for_rows(R, H, [&](int64_t r0, int64_t r1) {
+            std::vector<float> buf(H);
+            for (int64_t r = r0; r < r1; ++r) {
+                for (int64_t i = 0; i < H; ++i) buf[i] = ld(xp[r * H + i]);
+                norm_row(buf.data(), wf.data(), static_cast<float>(eps), H, buf.data());
+                for (int64_t i = 0; i < H; ++i) yp[r * H + i] = st<scalar_t>(buf[i]);
+            }
+        });
+    });
+    return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& r_in, const at::Tensor& w,
+                                                double eps) {
+    check_cpu(x_in, "add_rms_norm", "x");
+    TORCH_CHECK(x_in.sizes() == r_in.sizes() && x_in.scalar_type() == r_in.scalar_type(),
+                "hanzo_cpu.add_rms_norm: x and residual must match");
+    TORCH_CHECK(w.dim() == 1 && x_in.dim() >= 1 && w.size(0) == x_in.size(-1), "hanzo_cpu.add_rms_norm: w must be [H]");
+    const at::Tensor x = x_in.contiguous(), res = r_in.contiguous();
+    at::Tensor y = at::empty_like(x), s = at::empty_like(x);
+    const int64_t H = x.size(-1), R = H ? x.numel() / H : 0;
+    const std::vector<float> wf = weight_f32(w);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "hanzo_cpu_add_rms_norm", [&] {
+        const scalar_t* xp = x.data_ptr<scalar_t>();
+        const scalar_t* rp = res.data_ptr<scalar_t>();
+        scalar_t* yp = y.data_ptr<scalar_t>();
+        scalar_t* sp = s.data_ptr<scalar_t>();
+        for_rows(R, 3 * H, [&](int64_t r0, int64_t r1) {
+            std::vector<float> buf(H);
+            for (int64_t r = r0; r < r1; ++r) {
+                for (int64_t i = 0; i < H; ++i) {
+                    // the sum is rounded to the activation dtype (as x + residual is), then normed
+                    const scalar_t si = st<scalar_t>(ld(xp[r * H + i]) + ld(rp[r * H + i]));
+                    sp[r * H + i] = si;
+                    buf[i] = ld(si);
+                }
+                norm_row(buf.data(), wf.data(), static_cast<float>(eps), H, buf.data());
+                for (int64_t i = 0; i < H; ++i) yp[r * H + i] = st<scalar_t>(buf[i]);
+            }
+        });
+    });
+    return {y, s};
+}
+
+// ---------------------------------------------------------------------------------------------
+// swiglu
+// ---------------------------------------------------------------------------------------------
+at::Tensor swiglu(const at::Tensor& g_in, const at::Tensor& u_in) {
+    check_cpu(g_in, "swiglu", "gate");
+    TORCH_CHECK(g_in.sizes() == u_in.sizes() && g_in.scalar_type() == u_in.scalar_type(),
+                "hanzo_cpu.swiglu: gate and up must match");
+    const at::Tensor g = g_in.contiguous(), u = u_in.contiguous();
+    at::Tensor y = at::empty_like(g);
+    const int64_t n = g.numel();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "hanzo_cpu_swiglu", [&] {
+        const scalar_t* gp = g.data_ptr<scalar_t>();
+        const scalar_t* up = u.data_ptr<scalar_t>();
+        scalar_t* yp = y.data_ptr<scalar_t>();
+        for_rows(n, 3, [&](int64_t i0, int64_t i1) {
+            for (int64_t i = i0; i < i1; ++i) {
+                const float a = ld(gp[i]);
+                yp[i] = st<scalar_t>(a / (1.0f + std::exp(-a)) * ld(up[i]));
+            }
+        });
+    });
+    return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// qk_norm_rope
+// ---------------------------------------------------------------------------------------------
+at::Tensor positions_long(const at::Tensor& p) { return p.to(at::kLong).contiguous(); }
+
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                const std::optional<at::Tensor>& q_w,
+                                                const std::optional<at::Tensor>& k_w, const at::Tensor& positions,
+                                                double theta, double eps) {
+    check_cpu(q_in, "qk_norm_rope", "q");
+    TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && q_in.scalar_type() == k_in.scalar_type(),
+                "hanzo_cpu.qk_norm_rope: q and k must be [B, T, H, D] of one dtype");
+    const int64_t B = q_in.size(0), T = q_in.size(1), Hq = q_in.size(2), D = q_in.size(3), Hk = k_in.size(2);
+    TORCH_CHECK(k_in.size(0) == B && k_in.size(1) == T && k_in.size(3) == D && D % 2 == 0,
+                "hanzo_cpu.qk_norm_rope: k does not match q, or odd head dim");
+    TORCH_CHECK(positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T,
+                "hanzo_cpu.qk_norm_rope: positions must be [B, T]");
+    TORCH_CHECK(q_w.has_value() == k_w.has_value(), "hanzo_cpu.qk_norm_rope: give both norm weights or neither");
+    const bool norm = q_w.has_value();
+    std::vector<float> qwf, kwf;
+    if (norm) {
+        TORCH_CHECK(q_w->numel() == D && k_w->numel() == D, "hanzo_cpu.qk_norm_rope: norm weights must be [D]");
+        qwf = weight_f32(*q_w);
+        kwf = weight_f32(*k_w);
+    }
+    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), pos = positions_long(positions);
+    at::Tensor qo = at::empty_like(q), ko = at::empty_like(k);
+    const int64_t half = D / 2;
+    // inv_freq[i] = 1 / theta^(2i/D), every step in float32 as the reference (torch) computes it
+    std::vector<float> inv_freq(half);
+    const float theta_f = static_cast<float>(theta);
+    for (int64_t i = 0; i < half; ++i) {
+        const float e = static_cast<float>(2 * i) / static_cast<float>(D);
+        inv_freq[i] = 1.0f / std::pow(theta_f, e);
+    }
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    const float eps_f = static_cast<float>(eps);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "hanzo_cpu_qk_norm_rope", [&] {
+        const scalar_t* qp = q.data_ptr<scalar_t>();
+        const scalar_t* kp = k.data_ptr<scalar_t>();
+        scalar_t* qop = qo.data_ptr<scalar_t>();
+        scalar_t* kop = ko.data_ptr<scalar_t>();
+        for_rows(B * T, (Hq + Hk) * D * 2, [&](int64_t r0, int64_t r1) {
+            std::vector<float> cs(half), sn(half), buf(D);
+            auto rotate = [&](const scalar_t* src, scalar_t* dst, const std::vector<float>& w) {
+                for (int64_t i = 0; i < D; ++i) buf[i] = ld(src[i]);
+                if (norm) norm_row(buf.data(), w.data(), eps_f, D, buf.data());
+                for (int64_t i = 0; i < half; ++i) {
+                    const float x1 = buf[i], x2 = buf[i + half];
+                    dst[i] = st<scalar_t>(x1 * cs[i] - x2 * sn[i]);
+                    dst[i + half] = st<scalar_t>(x2 * cs[i] + x1 * sn[i]);
+                }
+            };
+            for (int64_t r = r0; r < r1; ++r) {
+                const float p = static_cast<float>(pp[r]);
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = p * inv_freq[i];
+                    cs[i] = std::cos(a);
+                    sn[i] = std::sin(a);
+                }
+                for (int64_t h = 0; h < Hq; ++h) rotate(qp + (r * Hq + h) * D, qop + (r * Hq + h) * D, qwf);
+                for (int64_t h = 0; h < Hk; ++h) rotate(kp + (r * Hk + h) * D, kop + (r * Hk + h) * D, kwf);
+            }
+        });
+    });
+    return {qo, ko};
+}
+
+// ---------------------------------------------------------------------------------------------
+// kv_cache_write
+// ---------------------------------------------------------------------------------------------
+void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, const at::Tensor& v_in,
+                    const at::Tensor& positions) {
+    check_cpu(k_cache, "kv_cache_write", "k_cache");
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_in.dim() == 4 &&
+                    k_in.sizes() == v_in.sizes(),
+                "hanzo_cpu.kv_cache_write: caches [B, S, Hk, D] and k, v [B, T, Hk, D] expected");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "hanzo_cpu.kv_cache_write: caches must be contiguous");
+    TORCH_CHECK(k_in.scalar_type() == k_cache.scalar_type() && v_in.scalar_type() == v_cache.scalar_type() &&
+                    k_cache.scalar_type() == v_cache.scalar_type(),
+                "hanzo_cpu.kv_cache_write: dtype mismatch");
+    const int64_t B = k_cache.size(0), S = k_cache.size(1), row = k_cache.size(2) * k_cache.size(3);
+    const int64_t T = k_in.size(1);
+    TORCH_CHECK(k_in.size(0) == B && k_in.size(2) == k_cache.size(2) && k_in.size(3) == k_cache.size(3),
+                "hanzo_cpu.kv_cache_write: k does not fit the cache");
+    TORCH_CHECK(positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T,
+                "hanzo_cpu.kv_cache_write: positions must be [B, T]");
+    const at::Tensor k = k_in.contiguous(), v = v_in.contiguous(), pos = positions_long(positions);
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    for (int64_t i = 0; i < B * T; ++i)
+        TORCH_CHECK(pp[i] >= 0 && pp[i] < S, "hanzo_cpu.kv_cache_write: position ", pp[i], " outside [0, ", S, ")");
+    const int64_t bytes = row * k.element_size();
+    const char* ks = static_cast<const char*>(k.data_ptr());
+    const char* vs = static_cast<const char*>(v.data_ptr());
+    char* kd = static_cast<char*>(k_cache.data_ptr());
+    char* vd = static_cast<char*>(v_cache.data_ptr());
+    // Rows are written in order, so a position repeated within one call keeps its last entry,
+    // as index_put_ does on the CPU.
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t src = (b * T + t) * bytes, dst = (b * S + pp[b * T + t]) * bytes;
+            std::memcpy(kd + dst, ks + src, bytes);
+            std::memcpy(vd + dst, vs + src, bytes);
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention
+// ---------------------------------------------------------------------------------------------
+at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::Tensor& vc_in,
+                     const at::Tensor& positions, double scale) {
+    check_cpu(q_in, "attention", "q");
+    TORCH_CHECK(q_in.dim() == 4 && kc_in.dim() == 4 && kc_in.sizes() == vc_in.sizes(),
+                "hanzo_cpu.attention: q [B, T, Hq, D] and caches [B, S, Hk, D] expected");
+    TORCH_CHECK(kc_in.scalar_type() == q_in.scalar_type() && vc_in.scalar_type() == q_in.scalar_type(),
+                "hanzo_cpu.attention: q and caches must share a dtype");
+    const int64_t B = q_in.size(0), T = q_in.size(1), Hq = q_in.size(2), D = q_in.size(3);
+    const int64_t S = kc_in.size(1), Hk = kc_in.size(2);
+    TORCH_CHECK(kc_in.size(0) == B && kc_in.size(3) == D && Hk > 0 && Hq % Hk == 0,
+                "hanzo_cpu.attention: cache does not match q (B, D or GQA grouping)");
+    TORCH_CHECK(positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T,
+                "hanzo_cpu.attention: positions must be [B, T]");
+    const at::Tensor pos = positions_long(positions);
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    int64_t live = 0;
+    for (int64_t i = 0; i < B * T; ++i) {
+        TORCH_CHECK(pp[i] >= 0 && pp[i] < S, "hanzo_cpu.attention: position ", pp[i], " outside [0, ", S, ")");
+        live = std::max(live, pp[i] + 1);
+    }
+    const int64_t G = Hq / Hk;
+    // Only the live prefix [0, live) of each cache is read; in float32 (a copy only for f16/bf16).
+    const at::Tensor q = q_in.to(at::kFloat).contiguous();
+    at::Tensor kc = kc_in.narrow(1, 0, live), vc = vc_in.narrow(1, 0, live);
+    kc = kc.to(at::kFloat).contiguous();
+    vc = vc.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty({B, T, Hq, D}, q.options());
+    const float* qp = q.data_ptr<float>();
+    const float* kp = kc.data_ptr<float>();
+    const float* vp = vc.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const float sc = static_cast<float>(scale);
+    // One item = one (b, t, kv head): its G query heads share every key/value row read.
+    for_rows(B * T * Hk, G * live * D * 2, [&](int64_t i0, int64_t i1) {
+        std::vector<float> p(static_cast<size_t>(G * std::max<int64_t>(live, 1)));
+        for (int64_t it = i0; it < i1; ++it) {
+            const int64_t bt = it / Hk, hk = it % Hk, b = bt / T;
+            const int64_t n = pp[bt] + 1;  // keys 0..position
+            const float* kb = kp + (b * live * Hk + hk) * D;
+            const float* vb = vp + (b * live * Hk + hk) * D;
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = hk * G + g;
+                const float* qh = qp + (bt * Hq + h) * D;
+                float* ph = p.data() + g * live;
+                float m = -std::numeric_limits<float>::infinity();
+                for (int64_t j = 0; j < n; ++j) {
+                    const float s = dot_f32(qh, kb + j * Hk * D, D) * sc;
+                    ph[j] = s;
+                    m = std::max(m, s);
+                }
+                float l = 0.0f;
+                for (int64_t j = 0; j < n; ++j) {
+                    ph[j] = std::exp(ph[j] - m);
+                    l += ph[j];
+                }
+                float* oh = op + (bt * Hq + h) * D;
+                std::fill(oh, oh + D, 0.0f);
+                for (int64_t j = 0; j < n; ++j) {
+                    const float pj = ph[j];
+                    const float* vj = vb + j * Hk * D;
+                    for (int64_t d = 0; d < D; ++d) oh[d] += pj * vj[d];
+                }
+                const float inv = 1.0f / l;
+                for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+            }
+        }
+    });
+    return q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_route
+// ---------------------------------------------------------------------------------------------
+// probs: the float32 softmax of the router logits (computed by torch's softmax in the caller, so
+// the weights are bit-identical to the reference's); this kernel does the top-k and renormalization.
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& probs_in, int64_t k, bool normalize) {
+    check_cpu(probs_in, "moe_route", "probs");
+    TORCH_CHECK(probs_in.dim() == 2, "hanzo_cpu.moe_route: probs must be [T, E]");
+    const int64_t T = probs_in.size(0), E = probs_in.size(1);
+    TORCH_CHECK(k >= 1 && k <= E, "hanzo_cpu.moe_route: k=", k, " must be in [1, ", E, "]");
+    const at::Tensor pt = probs_in.to(at::kFloat).contiguous();
+    at::Tensor wts = at::empty({T, k}, pt.options());
+    at::Tensor ids = at::empty({T, k}, pt.options().dtype(at::kLong));
+    const float* pp = pt.data_ptr<float>();
+    float* wp = wts.data_ptr<float>();
+    int64_t* ip = ids.data_ptr<int64_t>();
+    for_rows(T, E * 4, [&](int64_t t0, int64_t t1) {
+        std::vector<int64_t> order(E);
+        for (int64_t t = t0; t < t1; ++t) {
+            const float* pr = pp + t * E;
+            for (int64_t e = 0; e < E; ++e) order[e] = e;
+            // descending probability, NaN above everything (as torch.sort orders it), ties to the
+            // lower expert index: a strict weak order even with NaN
+            auto gt = [](float x, float y) { return std::isnan(x) ? !std::isnan(y) : (!std::isnan(y) && x > y); };
+            std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+                return gt(pr[a], pr[b]) || (!gt(pr[b], pr[a]) && a < b);
+            });
+            float sum = 0.0f;
+            for (int64_t j = 0; j < k; ++j) sum += pr[order[j]];
+            for (int64_t j = 0; j < k; ++j) {
+                ip[t * k + j] = order[j];
+                wp[t * k + j] = normalize ? pr[order[j]] / sum : pr[order[j]];
+            }
+        }
+    });
+    return {wts, ids};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hanzo_cpu, m) {
+    m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+    m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
+    m.def("swiglu(Tensor gate, Tensor up) -> Tensor", &swiglu);
+    m.def("qk_norm_rope(Tensor q, Tensor k, Tensor? q_w, Tensor? k_w, Tensor positions, float theta, float eps)"
+          " -> (Tensor, Tensor)",
+          &qk_norm_rope);
+    m.def("kv_cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions) -> ()",
+          &kv_cache_write);
+    m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale) -> Tensor", &attention);
+    m.def("moe_route(Tensor probs, int k, bool normalize) -> (Tensor, Tensor)", &moe_route);
+}

@@ -1,0 +1,118 @@
+"""C++ CPU kernels of the fused transformer ops (``csrc/cpu/fused.cpp``).
+
+They live in the same lazily built extension as the quantized kernels (built on first use,
+cached; see :mod:`hanzo_torch.ops.cpu`) and are registered with the torch dispatcher as
+``torch.ops.hanzo_cpu.*``. Each function here has the signature of its reference in
+:mod:`hanzo_torch.ops.fused` and is registered with
+``register_kernel(op, "cpu", fn)``, so ``torch.ops.hanzo.<op>`` runs it after its checks and
+``HANZO_<OP>_FALLBACK=1`` still selects the reference. If the extension cannot be built, the
+references run.
+
+Maths (float32 whatever the input dtype; one rounding to the input dtype at the end):
+    rms_norm / add_rms_norm: one pass per row; ``x + residual`` is rounded to the input dtype
+        before the norm, as in the reference.
+    qk_norm_rope: per-head RMSNorm (optional) then NEOX RoPE with the reference's float32
+        ``inv_freq``/angle arithmetic.
+    attention: per (batch, token, KV head) the G query heads of that group; scores, softmax
+        (max-subtracted, exact, not online) and P*V in float32 over the keys ``0..position``
+        only; only the live prefix ``0..max(positions)`` of the cache is read (and converted,
+        for f16/bf16 caches). ``impl`` (eager/flash) is an accuracy/memory choice of the
+        references; this kernel gives the exact softmax for all of them.
+    moe_route: torch's float32 softmax, then top-k by a partial sort with ties to the lower
+        expert index and the optional renormalization in C++.
+
+Tolerance against the references (tests/test_cpu_fused.py): float32 results agree to ~1e-5
+relative (summation order and libm differ); bf16/f16 results to one rounding of the dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _common
+from .. import fused as _ref
+
+__all__ = ["rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route",
+           "OPS"]
+
+OPS = ("rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route")
+
+_ops = None  # torch.ops.hanzo_cpu overloads, looked up once the extension is loaded
+
+
+def _kernels():
+    """``{name: OpOverload}`` of the C++ kernels, or None when the extension cannot be built."""
+    global _ops
+    if _ops is not None:
+        return _ops
+    from . import extension
+
+    if extension() is None:
+        return None
+    ns = torch.ops.hanzo_cpu
+    _ops = {name: getattr(ns, name).default for name in OPS}
+    return _ops
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    k = _ops or _kernels()
+    if k is None:
+        return _ref.rms_norm_reference(x, w, eps)
+    return k["rms_norm"](x, w, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    k = _ops or _kernels()
+    if k is None:
+        return _ref.add_rms_norm_reference(x, residual, w, eps)
+    return k["add_rms_norm"](x, residual, w, eps)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    k = _ops or _kernels()
+    if k is None:
+        return _ref.swiglu_reference(gate, up)
+    return k["swiglu"](gate, up)
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor], positions: Tensor,
+                 theta: float, eps: float) -> tuple[Tensor, Tensor]:
+    ops = _ops or _kernels()
+    if ops is None:
+        return _ref.qk_norm_rope_reference(q, k, q_w, k_w, positions, theta, eps)
+    return ops["qk_norm_rope"](q, k, q_w, k_w, positions, theta, eps)
+
+
+def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    ops = _ops or _kernels()
+    if ops is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        _ref.kv_cache_write_reference(k_cache, v_cache, k, v, positions)
+        return
+    ops["kv_cache_write"](k_cache, v_cache, k, v, positions)
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, scale: float,
+              impl: str = "auto") -> Tensor:
+    ops = _ops or _kernels()
+    if ops is None:
+        return _ref.attention_reference(q, k_cache, v_cache, positions, scale, impl)
+    return ops["attention"](q, k_cache, v_cache, positions, scale)
+
+
+def moe_route(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    ops = _ops or _kernels()
+    if ops is None:
+        return _ref.moe_route_reference(logits, k, normalize)
+    # torch's softmax (one op) keeps the weights bit-identical to the reference's; the C++ kernel
+    # replaces the sort, slicing and renormalization
+    return ops["moe_route"](torch.softmax(logits.float(), dim=-1), k, normalize)
+
+
+def _register() -> None:
+    for name in OPS:
+        _common.register_kernel(name, "cpu", globals()[name])
+
+
+_register()
