@@ -38,13 +38,15 @@ FLASH_BLOCK = 256
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check(cond: bool, op: str, msg: str) -> None:
+def _check(cond: bool, op: str, msg) -> None:
+    # msg: a str, or a callable returning it (so the f-string is built only when the check fails:
+    # formatting shapes on every call cost more than the CPU kernels themselves at decode shapes)
     if not cond:
-        raise ValueError(f"hanzo.{op}: {msg}")
+        raise ValueError(f"hanzo.{op}: {msg() if callable(msg) else msg}")
 
 
 def _check_float(t: Tensor, op: str, name: str) -> None:
-    _check(t.dtype in _FLOAT_TYPES, op, f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+    _check(t.dtype in _FLOAT_TYPES, op, lambda: f"{name} must be float32/float16/bfloat16, got {t.dtype}")
 
 
 def _dispatch(op: str, t: Tensor):
@@ -55,9 +57,9 @@ def _dispatch(op: str, t: Tensor):
 # moe_route
 # ----------------------------------------------------------------------------------------------
 def _check_moe_route(logits: Tensor, k: int) -> None:
-    _check(logits.dim() == 2, "moe_route", f"logits must be [T, E], got shape {tuple(logits.shape)}")
+    _check(logits.dim() == 2, "moe_route", lambda: f"logits must be [T, E], got shape {tuple(logits.shape)}")
     _check_float(logits, "moe_route", "logits")
-    _check(1 <= k <= logits.shape[1], "moe_route", f"k={k} must be in [1, E={logits.shape[1]}]")
+    _check(1 <= k <= logits.shape[1], "moe_route", lambda: f"k={k} must be in [1, E={logits.shape[1]}]")
 
 
 def moe_route_reference(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
@@ -108,7 +110,7 @@ def _check_norm(op: str, x: Tensor, w: Tensor) -> None:
     _check_float(x, op, "x")
     _check_float(w, op, "w")
     _check(w.dim() == 1 and x.dim() >= 1 and w.shape[0] == x.shape[-1], op,
-           f"w must be [{x.shape[-1] if x.dim() else '?'}] to match x's last dim, got w {tuple(w.shape)}, x {tuple(x.shape)}")
+           lambda: f"w must be [{x.shape[-1] if x.dim() else '?'}] to match x's last dim, got w {tuple(w.shape)}, x {tuple(x.shape)}")
 
 
 def rms_norm_reference(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -155,7 +157,7 @@ def add_rms_norm_reference(x: Tensor, residual: Tensor, w: Tensor, eps: float) -
 def _check_add_norm(x: Tensor, residual: Tensor, w: Tensor) -> None:
     _check_norm("add_rms_norm", x, w)
     _check(x.shape == residual.shape and x.dtype == residual.dtype, "add_rms_norm",
-           f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} must match")
+           lambda: f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} must match")
 
 
 @torch.library.custom_op("hanzo::add_rms_norm", mutates_args=())
@@ -191,20 +193,20 @@ def _(x, residual, w, eps):
 # ----------------------------------------------------------------------------------------------
 def _check_qk(q: Tensor, k: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor], positions: Tensor) -> None:
     op = "qk_norm_rope"
-    _check(q.dim() == 4 and k.dim() == 4, op, f"q and k must be [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    _check(q.dim() == 4 and k.dim() == 4, op, lambda: f"q and k must be [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}")
     _check_float(q, op, "q")
-    _check(k.dtype == q.dtype, op, f"q and k dtypes differ: {q.dtype}, {k.dtype}")
+    _check(k.dtype == q.dtype, op, lambda: f"q and k dtypes differ: {q.dtype}, {k.dtype}")
     B, T, _, D = q.shape
     _check(k.shape[0] == B and k.shape[1] == T and k.shape[3] == D, op,
-           f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, T or D")
-    _check(D % 2 == 0, op, f"head dim {D} must be even for RoPE")
-    _check(positions.shape == (B, T), op, f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
+           lambda: f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, T or D")
+    _check(D % 2 == 0, op, lambda: f"head dim {D} must be even for RoPE")
+    _check(positions.shape == (B, T), op, lambda: f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
     _check(not positions.is_floating_point() and positions.dtype != torch.bool, op,
-           f"positions must be an integer tensor, got {positions.dtype}")
+           lambda: f"positions must be an integer tensor, got {positions.dtype}")
     _check((q_w is None) == (k_w is None), op, "q_w and k_w must both be given or both be None")
     if q_w is not None:
         _check(q_w.shape == (D,) and k_w.shape == (D,), op,
-               f"q_w and k_w must be [{D}], got {tuple(q_w.shape)}, {tuple(k_w.shape)}")
+               lambda: f"q_w and k_w must be [{D}], got {tuple(q_w.shape)}, {tuple(k_w.shape)}")
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -275,7 +277,7 @@ def _(q, k, q_w, k_w, positions, theta, eps):
 def _check_swiglu(gate: Tensor, up: Tensor) -> None:
     _check_float(gate, "swiglu", "gate")
     _check(gate.shape == up.shape and gate.dtype == up.dtype, "swiglu",
-           f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
+           lambda: f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
@@ -309,21 +311,24 @@ def _(gate, up):
 def _check_positions_in_range(op: str, positions: Tensor, S: int) -> None:
     # Only where it costs no device sync: a GPU kernel must bound-check on the device instead.
     if positions.device.type == "cpu" and positions.numel():
-        lo, hi = int(positions.min()), int(positions.max())
-        _check(lo >= 0 and hi < S, op, f"positions must be in [0, {S}) (the cache length), got [{lo}, {hi}]")
+        if positions.numel() == 1:  # decode with one sequence: one read instead of two reductions
+            lo = hi = int(positions.reshape(()))
+        else:
+            lo, hi = (int(v) for v in torch.aminmax(positions))
+        _check(lo >= 0 and hi < S, op, lambda: f"positions must be in [0, {S}) (the cache length), got [{lo}, {hi}]")
 
 
 def _check_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
     op = "kv_cache_write"
     _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape, op,
-           f"k_cache and v_cache must be [B, S, Hk, D] of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    _check(k.dim() == 4 and k.shape == v.shape, op, f"k and v must be [B, T, Hk, D] of one shape, got {tuple(k.shape)}, {tuple(v.shape)}")
+           lambda: f"k_cache and v_cache must be [B, S, Hk, D] of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _check(k.dim() == 4 and k.shape == v.shape, op, lambda: f"k and v must be [B, T, Hk, D] of one shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     B, S, Hk, D = k_cache.shape
     _check(k.shape[0] == B and k.shape[2:] == (Hk, D), op,
-           f"k {tuple(k.shape)} does not fit the cache {tuple(k_cache.shape)} in B, Hk or D")
+           lambda: f"k {tuple(k.shape)} does not fit the cache {tuple(k_cache.shape)} in B, Hk or D")
     _check(k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, op,
-           f"dtype mismatch: k {k.dtype} vs cache {k_cache.dtype}, v {v.dtype} vs cache {v_cache.dtype}")
-    _check(positions.shape == k.shape[:2], op, f"positions must be [B, T] = {tuple(k.shape[:2])}, got {tuple(positions.shape)}")
+           lambda: f"dtype mismatch: k {k.dtype} vs cache {k_cache.dtype}, v {v.dtype} vs cache {v_cache.dtype}")
+    _check(positions.shape == k.shape[:2], op, lambda: f"positions must be [B, T] = {tuple(k.shape[:2])}, got {tuple(positions.shape)}")
     _check(not positions.is_floating_point() and positions.dtype != torch.bool, op, "positions must be integers")
 
 
@@ -368,19 +373,19 @@ def _(k_cache, v_cache, k, v, positions):
 # ----------------------------------------------------------------------------------------------
 def _check_attention(q, k_cache, v_cache, positions, impl) -> None:
     op = "attention"
-    _check(impl in ATTENTION_IMPLS, op, f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    _check(q.dim() == 4, op, f"q must be [B, T, Hq, D], got {tuple(q.shape)}")
+    _check(impl in ATTENTION_IMPLS, op, lambda: f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    _check(q.dim() == 4, op, lambda: f"q must be [B, T, Hq, D], got {tuple(q.shape)}")
     _check_float(q, op, "q")
     _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape, op,
-           f"k_cache and v_cache must be [B, S, Hk, D] of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+           lambda: f"k_cache and v_cache must be [B, S, Hk, D] of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     B, T, Hq, D = q.shape
     _check(k_cache.shape[0] == B and k_cache.shape[3] == D, op,
-           f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)} in B or D")
+           lambda: f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)} in B or D")
     Hk = k_cache.shape[2]
-    _check(Hk > 0 and Hq % Hk == 0, op, f"query heads {Hq} must be a multiple of KV heads {Hk}")
+    _check(Hk > 0 and Hq % Hk == 0, op, lambda: f"query heads {Hq} must be a multiple of KV heads {Hk}")
     _check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, op,
-           f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
-    _check(positions.shape == (B, T), op, f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
+           lambda: f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    _check(positions.shape == (B, T), op, lambda: f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
     _check(not positions.is_floating_point() and positions.dtype != torch.bool, op, "positions must be integers")
 
 
