@@ -8,6 +8,7 @@ triton) registers nothing and the references run. See docs/ARCHITECTURE.md for t
 from . import _common  # noqa: F401
 from . import quant  # noqa: F401  dequantize, quantize_q8_1, mul_mat, mul_mat_id, get_rows
 from . import fused  # noqa: F401  moe_route, rms_norm, add_rms_norm, qk_norm_rope, swiglu, kv_cache_write, attention
+from . import ffn  # noqa: F401  swiglu_mul_mat
 
 
 def _load_backends() -> None:

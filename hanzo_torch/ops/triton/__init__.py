@@ -50,6 +50,9 @@ def register_kernels(device_type: str = "cuda") -> None:
     fmts = supported_formats()
     for op, fn in kernels().items():
         _common.register_kernel(op, device_type, fn, qtypes=fmts if op in QUANT_OPS else None)
+    from . import ffn  # hanzo::swiglu_mul_mat (gate+up fused), both formats must be in fmts
+
+    _common.register_kernel("swiglu_mul_mat", device_type, ffn.swiglu_mul_mat, qtypes=fmts)
 
 
 def _autoregister() -> None:

@@ -1,0 +1,132 @@
+"""The gate+up fused feed-forward op ``hanzo::swiglu_mul_mat``.
+
+``swiglu_mul_mat(x, w_gate, w_up, qtype_gate, qtype_up) = silu(x @ Wg^T) * (x @ Wu^T)``: the
+first half of a dense SwiGLU FFN (the down projection stays a plain ``hanzo::mul_mat``). Fusing
+the two projections lets a backend read the activation once for both weights and apply the
+``silu * up`` epilogue in registers (``../shared/DESIGN.md`` section 5, "gate+up sharing one
+quantized activation").
+
+Dispatch follows docs/ARCHITECTURE.md: the op body asks
+:func:`hanzo_torch.ops._common.kernel_for` for a kernel registered for the input's device type
+that handles *both* formats (Triton on CUDA/ROCm: :mod:`hanzo_torch.ops.triton.ffn`), else it
+runs :func:`swiglu_mul_mat_reference`, the unfused composition of ``hanzo::mul_mat`` (twice) and
+``hanzo::swiglu`` — which on the CPU runs the C++ mul_mat and swiglu kernels.
+``HANZO_SWIGLU_MUL_MAT_FALLBACK=1`` forces the reference.
+
+CPU note: the C++ ``mul_mat`` quantizes its activation to int8 internally and has no entry
+point taking an already-quantized activation, so the CPU backend cannot share one q8_1
+activation between the two weights without a csrc change; the CPU runs the composition.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import _common
+from .quant import _check_act, _check_packed, _check_row_length, _check_same_device, get_format
+
+__all__ = ["OPS", "swiglu_mul_mat_reference"]
+
+OPS = ("swiglu_mul_mat",)
+"""The ops this module defines (``torch.ops.hanzo.<name>``)."""
+
+_OP = "swiglu_mul_mat"
+
+
+def _check_swiglu_mul_mat(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                          qtype_gate: str, qtype_up: str) -> None:
+    # shapes and dtypes only: shared by the fake kernel and the op body
+    _check_act(x, _OP)
+    K = x.shape[-1]
+    for w, qtype, what in ((w_gate, qtype_gate, "w_gate"), (w_up, qtype_up, "w_up")):
+        _check_packed(w, 2, _OP, f"2-D [F, row_bytes] ({what})")
+        fmt = get_format(qtype)
+        _check_row_length(fmt, K, _OP)
+        if w.shape[1] != fmt.row_bytes(K):
+            raise ValueError(f"{_OP}: x has K={K}, which needs {fmt.row_bytes(K)} bytes per {fmt.name} row, "
+                             f"but {what} has rows of {w.shape[1]} bytes (shape {tuple(w.shape)})")
+    if w_gate.shape[0] != w_up.shape[0]:
+        raise ValueError(f"{_OP}: w_gate has {w_gate.shape[0]} rows (F) but w_up has {w_up.shape[0]}; "
+                         "the gate and up projections must have the same width")
+
+
+def swiglu_mul_mat_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                             qtype_gate: str, qtype_up: str) -> torch.Tensor:
+    """The unfused composition ``hanzo.swiglu(hanzo.mul_mat(x, Wg), hanzo.mul_mat(x, Wu))``.
+
+    Args:
+        x: ``[..., K]`` float32/bfloat16/float16.
+        w_gate, w_up: ``uint8 [F, row_bytes(K)]`` packed in ``qtype_gate`` / ``qtype_up``
+            (ggml names, may differ, e.g. Q4_K gate and Q6_K up).
+    Returns:
+        ``[..., F]`` in ``x.dtype``. Each projection accumulates in float32 and is rounded to
+        ``x.dtype`` before the float32 ``silu(gate) * up`` (as the two ops are when run apart).
+    """
+    ops = torch.ops.hanzo
+    return ops.swiglu(ops.mul_mat(x, w_gate, qtype_gate), ops.mul_mat(x, w_up, qtype_up))
+
+
+def _kernel(device_type: str, qtype_gate: str, qtype_up: str):
+    # a kernel registered for the device that handles both formats, or None
+    fn = _common.kernel_for(_OP, device_type, qtype_gate)
+    if fn is None or _common.kernel_for(_OP, device_type, qtype_up) is not fn:
+        return None
+    return fn
+
+
+@torch.library.custom_op(
+    "hanzo::swiglu_mul_mat", mutates_args=(),
+    schema="(Tensor x, Tensor w_gate, Tensor w_up, str qtype_gate, str qtype_up) -> Tensor",
+)
+def swiglu_mul_mat(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   qtype_gate: str, qtype_up: str) -> torch.Tensor:
+    """``torch.ops.hanzo.swiglu_mul_mat``: ``silu(x @ Wg^T) * (x @ Wu^T)``.
+
+    Args:
+        x: ``[..., K]`` float32/bfloat16/float16.
+        w_gate, w_up: ``uint8 [F, row_bytes(K)]`` packed rows (docs/ARCHITECTURE.md) in the
+            ggml formats ``qtype_gate`` / ``qtype_up``.
+    Returns:
+        ``[..., F]`` in ``x.dtype``, float32 accumulation.
+    Raises:
+        ValueError: x dtype, non-uint8 or non-2-D weights, K not a multiple of a block size, row
+            bytes not matching K, gate and up widths F differing, tensors on different devices.
+        KeyError/ValueError: an unknown format name (from the format registry).
+    """
+    _check_swiglu_mul_mat(x, w_gate, w_up, qtype_gate, qtype_up)
+    _check_same_device(_OP, x, w_gate, w_up)
+    fn = _kernel(x.device.type, qtype_gate, qtype_up)
+    if fn is not None:
+        return fn(x, w_gate, w_up, qtype_gate, qtype_up)
+    return swiglu_mul_mat_reference(x, w_gate, w_up, qtype_gate, qtype_up)
+
+
+@swiglu_mul_mat.register_fake
+def _swiglu_mul_mat_fake(x, w_gate, w_up, qtype_gate, qtype_up):
+    _check_swiglu_mul_mat(x, w_gate, w_up, qtype_gate, qtype_up)
+    return x.new_empty(*x.shape[:-1], w_gate.shape[0])
+
+
+# ---------------------------------------------------------------------- autograd (w.r.t. x only)
+# As for hanzo::mul_mat, the packed weights are constants. The backward recomputes the two
+# projections with hanzo::mul_mat (whose own backward dequantizes in chunks) and differentiates
+# silu(g) * u in float32.
+def _setup_context(ctx, inputs, output):
+    x, w_gate, w_up, qtype_gate, qtype_up = inputs
+    ctx.save_for_backward(x, w_gate, w_up)
+    ctx.qtypes = (qtype_gate, qtype_up)
+
+
+def _backward(ctx, grad):
+    x, w_gate, w_up = ctx.saved_tensors
+    qg, qu = ctx.qtypes
+    with torch.enable_grad():
+        xr = x.detach().requires_grad_(True)
+        g = torch.ops.hanzo.mul_mat(xr, w_gate, qg).float()
+        u = torch.ops.hanzo.mul_mat(xr, w_up, qu).float()
+        y = F.silu(g) * u
+        (gx,) = torch.autograd.grad(y, xr, grad.float())
+    return gx.to(x.dtype), None, None, None, None
+
+
+swiglu_mul_mat.register_autograd(_backward, setup_context=_setup_context)
