@@ -141,14 +141,17 @@ def _install_direct_dispatch() -> list[str]:
 
     if os.environ.get("HANZO_CPU_DIRECT_DISPATCH", "1").strip().lower() in ("0", "false", "no", "off"):
         return []
-    from torch._library.custom_ops import CustomOpDef
+    import importlib
 
-    from .. import fused as fused_ops
-    from .. import quant as quant_ops
+    from torch._library.custom_ops import CustomOpDef
 
     lib = torch.library.Library("hanzo", "IMPL")
     done = []
-    for mod in (quant_ops, fused_ops):
+    for name in ("quant", "fused", "ffn"):  # the modules of hanzo_torch.ops that define custom ops
+        try:
+            mod = importlib.import_module(f"hanzo_torch.ops.{name}")
+        except ImportError:
+            continue
         for obj in vars(mod).values():
             body = getattr(obj, "_init_fn", None)
             if (isinstance(obj, CustomOpDef) and getattr(obj, "_namespace", None) == "hanzo" and callable(body)
