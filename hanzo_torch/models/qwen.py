@@ -34,6 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..tensor import GGUFTensor
+
 hanzo = torch.ops.hanzo
 
 DEFAULT_MAX_CONTEXT = 4096  # KV cache length when the caller gives none (capped by the file's context_length)
@@ -202,7 +204,13 @@ class Block(nn.Module):
         return self.attn_output(o.reshape(B, T, a.n_head * a.head_dim))  # [B, T, H]
 
     def feed_forward(self, x: Tensor) -> Tensor:
-        return self.ffn_down(hanzo.swiglu(self.ffn_gate(x), self.ffn_up(x)))  # [B, T, H]
+        gate, up = self.ffn_gate.weight, self.ffn_up.weight
+        if isinstance(gate, GGUFTensor) and isinstance(up, GGUFTensor):
+            # gate and up in one op (one activation read for both weights on the GPU backend)
+            h = hanzo.swiglu_mul_mat(x, gate.packed, up.packed, gate.qtype, up.qtype)  # [B, T, F]
+        else:  # dense weights (a model built by hand)
+            h = hanzo.swiglu(self.ffn_gate(x), self.ffn_up(x))
+        return self.ffn_down(h)  # [B, T, H]
 
     def moe(self, x: Tensor) -> Tensor:
         B, T, H = x.shape
