@@ -176,6 +176,8 @@ def _read_prompt(args) -> str:
 # ---------------------------------------------------------------------- commands
 def cmd_generate(args) -> int:
     prompt_text = _read_prompt(args)
+    if not prompt_text and not (args.chat or args.system):
+        _die("empty prompt: give -p TEXT, -f FILE, or pipe text to stdin")  # before loading 1 GB
     if args.n_predict < 0:
         _die(f"-n must be >= 0, got {args.n_predict}")
     model, path, load_s = _load(args)

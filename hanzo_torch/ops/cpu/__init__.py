@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -73,7 +74,8 @@ _failed: Optional[str] = None
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("HANZO_TORCH_CACHE", Path.home() / ".cache" / "hanzo-torch")) / "ext"
+    # One cache root for the whole package (hub.py uses the same variable for models).
+    return Path(os.environ.get("HANZO_CACHE") or Path.home() / ".cache" / "hanzo-torch") / "ext"
 
 
 def _source_hash() -> str:
@@ -122,6 +124,9 @@ def build(verbose: bool = False):
         key = _source_hash()
         build_dir = _cache_root() / key
         build_dir.mkdir(parents=True, exist_ok=True)
+        if not verbose and not any(build_dir.glob("*.so")):
+            print(f"hanzo-torch: compiling the C++ CPU kernels (once, about 1-2 minutes; cached in {build_dir})",
+                  file=sys.stderr, flush=True)
         ext = load(
             name=f"hanzo_cpu_{key}",
             sources=[str(_SRC_DIR / s) for s in _SOURCES],
