@@ -88,16 +88,21 @@ def _check_same_device(op: str, *tensors: torch.Tensor) -> None:
         raise ValueError(f"{op}: tensors are on different devices: {sorted(map(str, devs))}")
 
 
+def _check_rows_fit(x: torch.Tensor, w: torch.Tensor, qtype: str, op: str) -> Format:
+    """The format of ``qtype``, after checking that ``w``'s packed rows hold exactly K = x.shape[-1] values."""
+    fmt = get_format(qtype)
+    K = x.shape[-1]
+    _check_row_length(fmt, K, op)
+    if w.shape[-1] != fmt.row_bytes(K):
+        raise ValueError(f"{op}: x has K={K}, which needs {fmt.row_bytes(K)} bytes per {fmt.name} row, "
+                         f"but w has rows of {w.shape[-1]} bytes (shape {tuple(w.shape)})")
+    return fmt
+
+
 def _check_mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str) -> Format:
     _check_act(x, "mul_mat")
     _check_packed(w, 2, "mul_mat", "2-D [N, row_bytes]")
-    fmt = get_format(qtype)
-    K = x.shape[-1]
-    _check_row_length(fmt, K, "mul_mat")
-    if w.shape[1] != fmt.row_bytes(K):
-        raise ValueError(f"mul_mat: x has K={K}, which needs {fmt.row_bytes(K)} bytes per {fmt.name} row, "
-                         f"but w has rows of {w.shape[1]} bytes (shape {tuple(w.shape)})")
-    return fmt
+    return _check_rows_fit(x, w, qtype, "mul_mat")
 
 
 def _check_mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) -> Format:
@@ -115,13 +120,7 @@ def _check_mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype
                              f"{tuple(ids.shape)}")
     else:
         raise ValueError(f"mul_mat_id: x must be [T, K] or [T, k, K], got shape {tuple(x.shape)}")
-    fmt = get_format(qtype)
-    K = x.shape[-1]
-    _check_row_length(fmt, K, "mul_mat_id")
-    if w.shape[2] != fmt.row_bytes(K):
-        raise ValueError(f"mul_mat_id: x has K={K}, which needs {fmt.row_bytes(K)} bytes per {fmt.name} row, "
-                         f"but w has rows of {w.shape[2]} bytes (shape {tuple(w.shape)})")
-    return fmt
+    return _check_rows_fit(x, w, qtype, "mul_mat_id")
 
 
 def _check_ids_range(ids: torch.Tensor, n: int, op: str, what: str) -> torch.Tensor:
