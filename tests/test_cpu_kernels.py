@@ -181,6 +181,31 @@ def test_mul_mat_id(ext, qtype):
         hcpu.mul_mat_id(torch.randn(T, K), w, ids + 4, qtype)
 
 
+@pytest.mark.parametrize("qg,qu", [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q8_0", "Q4_K"), ("IQ2_XXS", "Q5_0")])
+def test_swiglu_mul_mat_fused_equals_the_composition(ext, qg, qu):
+    """The fused CPU swiglu_mul_mat (gate rows, up rows and the epilogue per thread range) is
+    bit-identical to swiglu(mul_mat(x, Wg), mul_mat(x, Wu)) of the same kernels, on every ISA,
+    decode and GEMM paths, float32 and bfloat16 (projections rounded like the unfused ops)."""
+    K, F_ = 512, 41  # F not a multiple of the GEMM tile (3) nor of the thread chunks
+    wg, wu = random_blocks(qg, F_, K, seed=20), random_blocks(qu, F_, K, seed=21)
+    x = torch.randn(9, K)
+    sw = hanzo_torch.ops.cpu.fused.swiglu
+    for isa in ISAS():
+        for M, mv in ((1, 8), (4, 8), (9, 8), (9, 0)):
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = x[:M].to(dtype)
+                y = hcpu.swiglu_mul_mat(xd, wg, wu, qg, qu, isa=isa, mv_max_rows=mv)
+                g = hcpu.mul_mat(xd, wg, qg, isa=isa, mv_max_rows=mv)
+                u = hcpu.mul_mat(xd, wu, qu, isa=isa, mv_max_rows=mv)
+                assert y.dtype == dtype and torch.equal(y, sw(g, u)), f"{qg}+{qu}/{isa}/M={M}/mv<={mv}/{dtype}"
+    # a large F runs the threaded path; the op routes here on CPU
+    wg, wu = random_blocks(qg, 1024, K, seed=22), random_blocks(qu, 1024, K, seed=23)
+    xd = torch.randn(1, 1, K)
+    y = torch.ops.hanzo.swiglu_mul_mat(xd, wg, wu, qg, qu)
+    assert y.shape == (1, 1, 1024)
+    assert torch.equal(y, sw(hcpu.mul_mat(xd, wg, qg), hcpu.mul_mat(xd, wu, qu)))
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_get_rows(ext, qtype):
     K = 512

@@ -53,8 +53,9 @@ def _make(qg, qu, M, F_=24, K=256, seed=0, dtype=torch.float32):
 
 @pytest.fixture
 def references(monkeypatch):
-    """The float32 references of mul_mat and swiglu (the CPU C++ mul_mat quantizes x to int8)."""
-    for op in ("mul_mat", "swiglu"):
+    """The float32 references of mul_mat, swiglu and swiglu_mul_mat (the C++ CPU kernels quantize x
+    to int8; their own gate is tests/test_cpu_kernels.py)."""
+    for op in ("mul_mat", "swiglu", "swiglu_mul_mat"):
         monkeypatch.setenv(f"HANZO_{op.upper()}_FALLBACK", "1")
 
 

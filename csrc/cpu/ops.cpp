@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -148,6 +149,81 @@ torch::Tensor mul_mat(torch::Tensor x, torch::Tensor w, int64_t type_id, int64_t
     return y;
 }
 
+// Gate and up projections with the SwiGLU epilogue in one parallel region:
+// x [M, K] float, wg / wu uint8 [F, rb_g] / [F, rb_u] -> silu(x Wg^T) * (x Wu^T) [M, F] float32.
+// x is quantized once per block size (once in all when both formats share it). Each task takes a
+// range of F and computes its gate rows, its up rows and the epilogue while they are in L1, so
+// the op has one fork-join instead of three (two mul_mat and a swiglu).
+// round_to: 0 keeps the float32 projections; 1 / 2 rounds them to bfloat16 / float16 before the
+// epilogue, as the unfused ops do for activations of that dtype (bit-identical results).
+torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu, int64_t tg, int64_t tu,
+                             int64_t isa_level, int64_t mv_max, int64_t round_to) {
+    const HzIsa* isa = isa_table(isa_level);
+    const HzFormatKernels& fg = format_kernels(isa, tg);
+    const HzFormatKernels& fu = format_kernels(isa, tu);
+    check_grid(tg);
+    check_grid(tu);
+    for (const torch::Tensor* w : {&wg, &wu})
+        TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == torch::kUInt8 && w->dim() == 2,
+                    "swiglu_mul_mat: weights must be 2-D uint8 CPU tensors");
+    TORCH_CHECK(x.dim() == 2, "swiglu_mul_mat: x must be 2-D here");
+    wg = wg.contiguous();
+    wu = wu.contiguous();
+    const int64_t F = wg.size(0), rbg = wg.size(1), rbu = wu.size(1);
+    TORCH_CHECK(wu.size(0) == F, "swiglu_mul_mat: w_gate has ", F, " rows, w_up ", wu.size(0));
+    const int64_t K = infer_k(fg, rbg, "swiglu_mul_mat");
+    TORCH_CHECK(infer_k(fu, rbu, "swiglu_mul_mat") == K, "swiglu_mul_mat: w_gate and w_up rows hold different K");
+    torch::Tensor xf = check_x(x, K, "swiglu_mul_mat");
+    const int64_t M = xf.size(0);
+    torch::Tensor y = torch::empty({M, F}, torch::kFloat32);
+    if (M == 0 || F == 0) return y;
+    if (K == 0) return y.zero_();
+    QuantAct qg = quantize_act(isa, xf, fg.qk);
+    QuantAct qu_own;
+    const bool share = fu.qk == fg.qk;
+    if (!share) qu_own = quantize_act(isa, xf, fu.qk);
+    const HzAct& au = share ? qg.view : qu_own.view;
+    const bool mv = M <= mv_max;
+    hz_matmul_fn fng = mv ? fg.matvec : fg.gemm, fnu = mv ? fu.matvec : fu.gemm;
+    const int64_t tile = mv ? 1 : std::max<int64_t>(fg.gemm_nr, fu.gemm_nr);
+    const int64_t ntiles = (F + tile - 1) / tile;
+    const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
+    const int64_t rb = rbg + rbu;
+    int64_t chunk = mv ? std::max<int64_t>(1, 32768 / rb) : 16;
+    chunk = std::max<int64_t>(1, std::min<int64_t>(chunk, ntiles / (4 * nth)));
+    const uint8_t* pg = wg.data_ptr<uint8_t>();
+    const uint8_t* pu = wu.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    auto task = [&](int64_t n0, int64_t n1, float* gbuf, float* ubuf) {
+        const int64_t w = n1 - n0;
+        fng(pg + n0 * rbg, rbg, 0, w, &qg.view, M, gbuf, w);
+        fnu(pu + n0 * rbu, rbu, 0, w, &au, M, ubuf, w);
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t j = 0; j < w; ++j) {
+                float a = gbuf[m * w + j], u = ubuf[m * w + j];
+                if (round_to == 1) { a = (float)c10::BFloat16(a); u = (float)c10::BFloat16(u); }
+                else if (round_to == 2) { a = (float)c10::Half(a); u = (float)c10::Half(u); }
+                yp[m * F + n0 + j] = a / (1.0f + std::exp(-a)) * u;
+            }
+    };
+    const int64_t cols = std::min(F, chunk * tile);
+    if (nth == 1 || ntiles * rb * tile < 65536) {
+        std::vector<float> gb(M * cols), ub(M * cols);
+        for (int64_t n0 = 0; n0 < F; n0 += cols) task(n0, std::min(F, n0 + cols), gb.data(), ub.data());
+        return y;
+    }
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
+        std::vector<float> gb(M * cols), ub(M * cols);
+        for (;;) {
+            const int64_t t0 = next.fetch_add(chunk);
+            if (t0 >= ntiles) break;
+            task(t0 * tile, std::min(F, (t0 + chunk) * tile), gb.data(), ub.data());
+        }
+    });
+    return y;
+}
+
 // x [T, kx, K] (kx == 1 broadcasts over the k slots), w uint8 [E, N, rb], ids int64 [T, k] -> [T, k, N]
 torch::Tensor mul_mat_id(torch::Tensor x, torch::Tensor w, torch::Tensor ids, int64_t type_id, int64_t isa_level,
                          int64_t mv_max) {
@@ -285,6 +361,7 @@ std::vector<std::vector<int64_t>> formats() {  // (type_id, block size, block by
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "hanzo-torch CPU kernels (int8 dot products over ggml block formats)";
     m.def("mul_mat", &mul_mat, "x [M,K] @ W[N,K]^T -> [M,N] f32");
+    m.def("swiglu_mul_mat", &swiglu_mul_mat, "silu(x Wg^T) * (x Wu^T) -> [M,F] f32");
     m.def("mul_mat_id", &mul_mat_id, "indexed (MoE) mul_mat -> [T,k,N] f32");
     m.def("get_rows", &get_rows, "rows of a packed weight -> [n,K] f32");
     m.def("dequantize_rows", &dequantize_rows, "packed [N,rb] -> [N,K] f32");

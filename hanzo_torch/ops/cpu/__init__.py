@@ -44,7 +44,7 @@ import torch
 from .. import _common
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
-           "mul_mat", "mul_mat_id", "get_rows", "dequantize", "build"]
+           "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
@@ -298,6 +298,30 @@ def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str, 
     return y.to(x.dtype)
 
 
+_ROUND_TO = {torch.bfloat16: 1, torch.float16: 2}
+
+
+def swiglu_mul_mat(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: str, qtype_up: str, *,
+                   isa=None, mv_max_rows: Optional[int] = None) -> torch.Tensor:
+    """``silu(x @ Wg^T) * (x @ Wu^T)``: ``x [..., K]``, ``w_gate``/``w_up`` uint8 ``[F, row_bytes]`` -> ``[..., F]``
+    in ``x.dtype``. One parallel region: each thread's range of F gets its gate rows, its up rows
+    and the SwiGLU epilogue (float32) while they are in cache; x is quantized once per block size.
+    Bit-identical to ``swiglu(mul_mat(x, Wg), mul_mat(x, Wu))`` of these kernels: for bf16/f16 x
+    the projections are rounded to x.dtype before the epilogue, as the unfused ops round them."""
+    ext = extension()
+    if ext is None:
+        from ..ffn import swiglu_mul_mat_reference
+
+        return swiglu_mul_mat_reference(x, w_gate, w_up, qtype_gate, qtype_up)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    y = ext.swiglu_mul_mat(x2, w_gate, w_up, _type_id(qtype_gate), _type_id(qtype_up),
+                           default_isa() if isa is None else _isa(isa),
+                           MV_MAX_ROWS if mv_max_rows is None else int(mv_max_rows), _ROUND_TO.get(x.dtype, 0))
+    if x.dim() != 2:
+        y = y.reshape(*x.shape[:-1], w_gate.shape[0])
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def get_rows(w: torch.Tensor, ids: torch.Tensor, qtype: str, dtype: torch.dtype, *, isa=None) -> torch.Tensor:
     """Rows ``ids [...]`` of the packed table ``w uint8 [V, row_bytes]`` -> ``dtype [..., H]``."""
     ext = extension()
@@ -332,6 +356,7 @@ def _register() -> None:
         return
     _common.register_kernel("mul_mat", "cpu", mul_mat, qtypes=SUPPORTED_QTYPES)
     _common.register_kernel("mul_mat_id", "cpu", mul_mat_id, qtypes=SUPPORTED_QTYPES)
+    _common.register_kernel("swiglu_mul_mat", "cpu", swiglu_mul_mat, qtypes=SUPPORTED_QTYPES)
     _common.register_kernel("get_rows", "cpu", get_rows, qtypes=SUPPORTED_QTYPES)
     _common.register_kernel("dequantize", "cpu", dequantize, qtypes=SUPPORTED_QTYPES)
     from . import fused  # noqa: F401  registers rms_norm, attention, ... (csrc/cpu/fused.cpp)
