@@ -66,7 +66,7 @@ _GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S")
 _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
 _SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "fused.cpp")
-_HEADERS = ("hz_api.h", "formats.h", "kernels.h")
+_HEADERS = ("hz_api.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_gemm.h")
 
 _lock = threading.Lock()
 _ext = None
