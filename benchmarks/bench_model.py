@@ -1,20 +1,29 @@
-"""Model-level CPU benchmark: pp128 / pp512 / tg128 tokens/s through ``hanzo_torch.load``.
+"""Model-level CPU benchmark: pp<N> / tg<N> tokens/s, hanzo-torch side by side with llama.cpp.
 
-    python benchmarks/bench_model.py [--model PATH] [--threads 2] [--pp 128,512] [--tg 128] [--profile]
+    python benchmarks/bench_model.py [--model PATH] [--threads 2] [--pp 128,512] [--tg 128]
+                                     [--reps 3] [--no-llama-cpp] [--profile]
 
-pp<N>: one forward of N prompt tokens (logits of the last position only, as generation does),
-median of --reps runs after a warm-up. tg<N>: N single-token decode steps after a 16-token
-prompt; tokens/s from the median step time. llama.cpp is not run here (llama-cpp-python is not
-installed and building it would take ~15 min on 2 cores): the ratios below use the llama.cpp
-numbers quoted in the issue for this machine (Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 2 threads:
-pp128 99.5 tok/s, tg32 33.0 tok/s); they are NOT measured in the same run.
---profile: op counts and the share of one decode token spent outside the hanzo ops (host overhead).
+Both engines run the same GGUF file in the same process, alternately (one measurement of each
+per round, ``--reps`` rounds), so load on a shared machine hits both alike; the table gives the
+medians and our/llama.cpp ratios. llama.cpp runs through ``llama-cpp-python`` (not a dependency:
+``pip install llama-cpp-python`` builds llama.cpp from source, ~15 min on 2 cores; keep it out
+of CI). Without it only our numbers are printed.
+
+Protocol (same for both engines):
+
+- pp<N>: one forward of N random prompt tokens into an empty KV cache, logits of the last
+  position only (what generation needs); tokens/s = N / time.
+- tg<N>: a 16-token prompt, then N single-token decode steps (greedy on our side; llama.cpp is
+  fed the same token ids); tokens/s = 1 / median step time.
+
+--profile: op counts, and the share of one decode token spent outside the hanzo ops (host).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 
@@ -24,35 +33,65 @@ import hanzo_torch
 from hanzo_torch.ops import cpu as hcpu
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/hanzo-torch/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
-LLAMA_CPP_QUOTED = {"pp": 99.5, "tg": 33.0}  # tok/s, issue 5, same machine class, 2 threads
 
 
-def pp_tokens_per_s(model, n: int, reps: int) -> float:
-    ids = torch.randint(100, 20000, (1, n))
-    ts = []
-    for i in range(reps + 1):
-        model.reset()
+class Hanzo:
+    name = "hanzo-torch"
+
+    def __init__(self, path: str, n_ctx: int):
+        self.model = hanzo_torch.load(path, max_context=n_ctx)
+
+    def pp(self, ids: list[int]) -> float:
+        self.model.reset()
+        x = torch.tensor([ids])
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model(ids, last_only=True)
-        if i:  # first run is the warm-up (page-in of the mmap'd weights)
-            ts.append(time.perf_counter() - t0)
-    return n / statistics.median(ts)
+            self.model(x, last_only=True)
+        return time.perf_counter() - t0
+
+    def tg(self, prompt: list[int], n: int) -> list[float]:
+        self.model.reset()
+        ts = []
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([prompt]), last_only=True)
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(n):
+                t0 = time.perf_counter()
+                logits = self.model(tok, last_only=True)
+                tok = logits[:, -1].argmax(-1, keepdim=True)
+                ts.append(time.perf_counter() - t0)
+        return ts
 
 
-def tg_tokens_per_s(model, n: int) -> tuple[float, list[float]]:
-    model.reset()
-    ids = torch.randint(100, 20000, (1, 16))
-    with torch.inference_mode():
-        logits = model(ids, last_only=True)
-        tok = logits[:, -1].argmax(-1, keepdim=True)
+class LlamaCpp:
+    name = "llama.cpp"
+
+    def __init__(self, path: str, n_ctx: int, threads: int):
+        import llama_cpp
+
+        self.version = getattr(llama_cpp, "__version__", "?")
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+
+    def pp(self, ids: list[int]) -> float:
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - t0
+
+    def tg(self, prompt: list[int], n: int) -> list[float]:
+        import numpy as np
+
+        self.llm.reset()
+        self.llm.eval(prompt)
+        tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
         ts = []
         for _ in range(n):
             t0 = time.perf_counter()
-            logits = model(tok, last_only=True)
-            tok = logits[:, -1].argmax(-1, keepdim=True)
+            self.llm.eval([tok])
+            tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
             ts.append(time.perf_counter() - t0)
-    return 1.0 / statistics.median(ts), ts
+        return ts
 
 
 def profile_decode(model) -> None:
@@ -89,21 +128,56 @@ def main() -> None:
     ap.add_argument("--pp", default="128,512")
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-llama-cpp", action="store_true", help="run only hanzo-torch")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     hcpu.build()
-    print(f"threads={args.threads} isa={hcpu.ISA_NAMES[hcpu.default_isa()]} "
-          f"fallback={os.environ.get('HANZO_MUL_MAT_FALLBACK', '0')}")
-    model = hanzo_torch.load(args.model, max_context=1024)
-    for n in (int(v) for v in args.pp.split(",") if v):
-        tps = pp_tokens_per_s(model, n, args.reps)
-        print(f"pp{n}: {tps:7.1f} tok/s   ({tps / LLAMA_CPP_QUOTED['pp']:.2f}x the quoted llama.cpp pp128)")
-    if args.tg:
-        tps, _ = tg_tokens_per_s(model, args.tg)
-        print(f"tg{args.tg}: {tps:7.1f} tok/s   ({tps / LLAMA_CPP_QUOTED['tg']:.2f}x the quoted llama.cpp tg32)")
+    pps = [int(v) for v in args.pp.split(",") if v]
+    n_ctx = max(pps + [16 + args.tg]) + 16
+    engines = [Hanzo(args.model, n_ctx)]
+    if not args.no_llama_cpp:
+        try:
+            engines.append(LlamaCpp(args.model, n_ctx, args.threads))
+        except ImportError:
+            print("llama-cpp-python is not installed: hanzo-torch only (pip install llama-cpp-python)",
+                  file=sys.stderr)
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    print(f"cpu: {cpu}; threads={args.threads}; hanzo isa={hcpu.ISA_NAMES[hcpu.default_isa()]}; "
+          f"mul_mat fallback={os.environ.get('HANZO_MUL_MAT_FALLBACK', '0')}; "
+          + "; ".join(f"{e.name} {getattr(e, 'version', hanzo_torch.__version__)}" for e in engines))
+    g = torch.Generator().manual_seed(0)
+    res: dict[tuple[str, str], list[float]] = {}
+    for e in engines:  # warm-up: page in the weights, build caches
+        e.pp(torch.randint(100, 20000, (32,), generator=g).tolist())
+    for r in range(args.reps):
+        for n in pps:
+            ids = torch.randint(100, 20000, (n,), generator=g).tolist()
+            for e in engines:
+                res.setdefault((f"pp{n}", e.name), []).append(n / e.pp(ids))
+        if args.tg:
+            prompt = torch.randint(100, 20000, (16,), generator=g).tolist()
+            for e in engines:
+                res.setdefault((f"tg{args.tg}", e.name), []).append(1.0 / statistics.median(e.tg(prompt, args.tg)))
+        print(f"round {r + 1}/{args.reps}: " + ", ".join(f"{k[0]} {k[1]} {v[-1]:.1f}" for k, v in res.items()),
+              flush=True)
+    tests = list(dict.fromkeys(k[0] for k in res))
+    names = [e.name for e in engines]
+    print()
+    print("| test | " + " | ".join(f"{n} tok/s (median, range)" for n in names)
+          + (" | ratio hanzo/llama.cpp |" if len(names) > 1 else " |"))
+    print("|---" * (len(names) + 1 + (len(names) > 1)) + "|")
+    for t in tests:
+        cells = []
+        for n in names:
+            v = res[(t, n)]
+            cells.append(f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})")
+        row = f"| {t} | " + " | ".join(cells)
+        if len(names) > 1:
+            row += f" | {statistics.median(res[(t, names[0])]) / statistics.median(res[(t, names[1])]):.2f}x"
+        print(row + " |")
     if args.profile:
-        profile_decode(model)
+        profile_decode(engines[0].model)
 
 
 if __name__ == "__main__":
