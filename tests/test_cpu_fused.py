@@ -212,6 +212,45 @@ def test_attention_bugs_are_caught():
     assert err(swapped, good) > 100 * 1e-5
 
 
+# Prefill-sized calls (T >= 8) run the tiled GEMM path: rows of G heads x Tq tokens per tile,
+# keys up to the tile's largest position, masked per row. These cover several tiles, a ragged
+# last tile, GQA, batches at different offsets and positions out of order.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [
+    # long prompt from position 0, GQA 12/2 (Tq = 16 tokens per tile: 7 tiles, the last ragged)
+    dict(B=1, T=100, Hq=12, Hk=2, D=64, S=128, positions=[list(range(100))]),
+    # chunked prefill: batch 0 continues at 50, batch 1 starts at 0 with its tokens out of order
+    dict(B=2, T=40, Hq=4, Hk=1, D=32, S=96,
+         positions=[list(range(50, 90)), torch.randperm(40, generator=torch.Generator().manual_seed(3)).tolist()]),
+])
+def test_attention_prefill_tiles(dtype, case, both_paths):
+    q, kc, vc, pos = _attn_inputs(dtype=dtype, **case)
+    scale = 1 / math.sqrt(case["D"])
+    for impl in ("eager", "flash"):
+        fast, slow = both_paths("attention", lambda: torch.ops.hanzo.attention(q, kc, vc, pos, scale, impl))
+        close(fast, slow, dtype)
+
+
+def test_attention_prefill_matches_token_by_token():
+    # the tiled path (T tokens at once) against the per-row path (one decode call per token)
+    q, kc, vc, pos = _attn_inputs(1, 24, 6, 2, 16, 40, torch.float32, [list(range(10, 34))])
+    full = cf.attention(q, kc, vc, pos, 0.25)
+    rows = torch.cat([cf.attention(q[:, t:t + 1], kc, vc, pos[:, t:t + 1], 0.25) for t in range(24)], dim=1)
+    assert err(full, rows) < 1e-5
+
+
+def test_attention_prefill_ignores_slots_past_position():
+    # the tile reads keys up to its largest position: each row must still stop at its own
+    q, kc, vc, pos = _attn_inputs(1, 16, 4, 2, 8, 32, torch.float32, [list(range(16))])
+    out = cf.attention(q, kc, vc, pos, 0.3)
+    assert err(out, ref.attention_reference(q, kc, vc, pos, 0.3, "eager")) < 1e-5
+    # an off-by-one mask (keys 0..position+1) misses by > 100x the tolerance
+    assert err(ref.attention_reference(q, kc, vc, pos + 1, 0.3, "eager"), out) > 100 * 1e-5
+    kc[:, 16:] = float("nan")
+    vc[:, 16:] = 1e30
+    assert torch.equal(cf.attention(q, kc, vc, pos, 0.3), out)
+
+
 def test_attention_rejects_out_of_range():
     q, kc, vc, _ = _attn_inputs(1, 1, 2, 1, 4, 8, torch.float32, [[0]])
     with pytest.raises(RuntimeError, match="outside"):

@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -25,6 +27,10 @@
 namespace {
 
 constexpr int64_t kParallelWork = 1 << 16;  // floats touched below which one thread does the op
+constexpr int64_t kAttnTileMinT = 8;        // attention: query tokens from which the GEMM tiles run
+constexpr int64_t kAttnTileRows = 192;      // attention: query rows (heads x tokens) per GEMM tile
+
+bool attn_old_env() { const char* e = std::getenv("HZ_ATTN_OLD"); return e && e[0] == '1'; }  // TEMP A/B
 
 template <typename T>
 inline float ld(T v) { return static_cast<float>(v); }
@@ -263,38 +269,10 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_
 // ---------------------------------------------------------------------------------------------
 // attention
 // ---------------------------------------------------------------------------------------------
-at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::Tensor& vc_in,
-                     const at::Tensor& positions, double scale) {
-    check_cpu(q_in, "attention", "q");
-    TORCH_CHECK(q_in.dim() == 4 && kc_in.dim() == 4 && kc_in.sizes() == vc_in.sizes(),
-                "hanzo_cpu.attention: q [B, T, Hq, D] and caches [B, S, Hk, D] expected");
-    TORCH_CHECK(kc_in.scalar_type() == q_in.scalar_type() && vc_in.scalar_type() == q_in.scalar_type(),
-                "hanzo_cpu.attention: q and caches must share a dtype");
-    const int64_t B = q_in.size(0), T = q_in.size(1), Hq = q_in.size(2), D = q_in.size(3);
-    const int64_t S = kc_in.size(1), Hk = kc_in.size(2);
-    TORCH_CHECK(kc_in.size(0) == B && kc_in.size(3) == D && Hk > 0 && Hq % Hk == 0,
-                "hanzo_cpu.attention: cache does not match q (B, D or GQA grouping)");
-    TORCH_CHECK(positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T,
-                "hanzo_cpu.attention: positions must be [B, T]");
-    const at::Tensor pos = positions_long(positions);
-    const int64_t* pp = pos.data_ptr<int64_t>();
-    int64_t live = 0;
-    for (int64_t i = 0; i < B * T; ++i) {
-        TORCH_CHECK(pp[i] >= 0 && pp[i] < S, "hanzo_cpu.attention: position ", pp[i], " outside [0, ", S, ")");
-        live = std::max(live, pp[i] + 1);
-    }
+// Decode-sized calls (few query rows): per (b, t, kv head) loops over the keys 0..position.
+void attention_rows(const float* qp, const float* kp, const float* vp, float* op, const int64_t* pp, int64_t B,
+                    int64_t T, int64_t Hq, int64_t Hk, int64_t D, int64_t live, float sc) {
     const int64_t G = Hq / Hk;
-    // Only the live prefix [0, live) of each cache is read; in float32 (a copy only for f16/bf16).
-    const at::Tensor q = q_in.to(at::kFloat).contiguous();
-    at::Tensor kc = kc_in.narrow(1, 0, live), vc = vc_in.narrow(1, 0, live);
-    kc = kc.to(at::kFloat).contiguous();
-    vc = vc.to(at::kFloat).contiguous();
-    at::Tensor out = at::empty({B, T, Hq, D}, q.options());
-    const float* qp = q.data_ptr<float>();
-    const float* kp = kc.data_ptr<float>();
-    const float* vp = vc.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const float sc = static_cast<float>(scale);
     // One item = one (b, t, kv head): its G query heads share every key/value row read.
     for_rows(B * T * Hk, G * live * D * 2, [&](int64_t i0, int64_t i1) {
         std::vector<float> p(static_cast<size_t>(G * std::max<int64_t>(live, 1)));
@@ -330,6 +308,102 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::
             }
         }
     });
+}
+
+// Prefill-sized calls: one item = (b, kv head, tile of Tq tokens). The tile's G*Tq query rows
+// (ordered g-major) meet the key prefix 0..kmax-1 (kmax = the tile's largest position + 1) in
+// two float32 GEMMs of ATen/BLAS: S = (Q K^T) * scale, masked to -inf past each row's position,
+// P = softmax(S) (ATen's, exact: max-subtracted, not online), O = P V. Masking costs at most the
+// diagonal block (Tq/2 keys per row on average) over the exact causal work.
+void attention_tiles(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
+                     const int64_t* pp, double scale) {
+    const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hk = kc.size(2);
+    const int64_t G = Hq / Hk;
+    // ~192 query rows per GEMM: big enough for BLAS efficiency, small waste on the diagonal
+    const int64_t Tq = std::max<int64_t>(1, std::min<int64_t>(T, kAttnTileRows / G));
+    const int64_t nt = (T + Tq - 1) / Tq;
+    struct Item { int64_t b, hk, t0, t1, kmax; };
+    std::vector<Item> items;
+    items.reserve(static_cast<size_t>(B * Hk * nt));
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t0 = 0; t0 < T; t0 += Tq) {
+            const int64_t t1 = std::min(T, t0 + Tq);
+            int64_t kmax = 0;
+            for (int64_t t = t0; t < t1; ++t) kmax = std::max(kmax, pp[b * T + t] + 1);
+            for (int64_t hk = 0; hk < Hk; ++hk) items.push_back({b, hk, t0, t1, kmax});
+        }
+    // Largest first, handed out one at a time: causal tiles differ in cost by up to T/Tq times.
+    std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+        return x.kmax * (x.t1 - x.t0) > y.kmax * (y.t1 - y.t0);
+    });
+    std::atomic<int64_t> next{0};
+    const int64_t n_items = static_cast<int64_t>(items.size());
+    const float sc = static_cast<float>(scale);
+    auto work = [&](const Item& it) {
+        const int64_t tq = it.t1 - it.t0, R = G * tq, n = it.kmax;
+        // [tq, G, D] view of the group's queries -> rows (g, t), contiguous
+        const at::Tensor qt = q.select(0, it.b).narrow(0, it.t0, tq).narrow(1, it.hk * G, G).transpose(0, 1)
+                                  .reshape({R, D});
+        const at::Tensor kt = kc.select(0, it.b).narrow(0, 0, n).select(1, it.hk);  // [n, D], row stride Hk*D
+        const at::Tensor vt = vc.select(0, it.b).narrow(0, 0, n).select(1, it.hk);
+        at::Tensor s = at::mm(qt, kt.t());  // [R, n]
+        float* sp = s.data_ptr<float>();
+        const float ninf = -std::numeric_limits<float>::infinity();
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t t = 0; t < tq; ++t) {
+                float* row = sp + (g * tq + t) * n;
+                const int64_t vis = pp[it.b * T + it.t0 + t] + 1;  // keys 0..position
+                for (int64_t j = 0; j < vis; ++j) row[j] *= sc;
+                for (int64_t j = vis; j < n; ++j) row[j] = ninf;
+            }
+        const at::Tensor p = at::_softmax(s, 1, false);
+        const at::Tensor o = at::mm(p, vt).view({G, tq, D});  // rows (g, t)
+        out.select(0, it.b).narrow(0, it.t0, tq).narrow(1, it.hk * G, G).copy_(o.transpose(0, 1));
+    };
+    const int64_t flops = B * Hq * T * 4 * D * std::max<int64_t>(1, items.empty() ? 1 : items.front().kmax) / 2;
+    const int64_t nthreads = (flops < (int64_t(1) << 22)) ? 1 : std::min<int64_t>(at::get_num_threads(), n_items);
+    if (nthreads <= 1) {
+        for (const Item& it : items) work(it);
+        return;
+    }
+    at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+        for (int64_t i = next++; i < n_items; i = next++) work(items[static_cast<size_t>(i)]);
+    });
+}
+
+at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::Tensor& vc_in,
+                     const at::Tensor& positions, double scale) {
+    check_cpu(q_in, "attention", "q");
+    TORCH_CHECK(q_in.dim() == 4 && kc_in.dim() == 4 && kc_in.sizes() == vc_in.sizes(),
+                "hanzo_cpu.attention: q [B, T, Hq, D] and caches [B, S, Hk, D] expected");
+    TORCH_CHECK(kc_in.scalar_type() == q_in.scalar_type() && vc_in.scalar_type() == q_in.scalar_type(),
+                "hanzo_cpu.attention: q and caches must share a dtype");
+    const int64_t B = q_in.size(0), T = q_in.size(1), Hq = q_in.size(2), D = q_in.size(3);
+    const int64_t S = kc_in.size(1), Hk = kc_in.size(2);
+    TORCH_CHECK(kc_in.size(0) == B && kc_in.size(3) == D && Hk > 0 && Hq % Hk == 0,
+                "hanzo_cpu.attention: cache does not match q (B, D or GQA grouping)");
+    TORCH_CHECK(positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T,
+                "hanzo_cpu.attention: positions must be [B, T]");
+    const at::Tensor pos = positions_long(positions);
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    int64_t live = 0;
+    for (int64_t i = 0; i < B * T; ++i) {
+        TORCH_CHECK(pp[i] >= 0 && pp[i] < S, "hanzo_cpu.attention: position ", pp[i], " outside [0, ", S, ")");
+        live = std::max(live, pp[i] + 1);
+    }
+    // Only the live prefix [0, live) of each cache is read; in float32 (a copy only for f16/bf16).
+    const at::Tensor q = q_in.to(at::kFloat).contiguous();
+    at::Tensor kc = kc_in.narrow(1, 0, live), vc = vc_in.narrow(1, 0, live);
+    kc = kc.to(at::kFloat).contiguous();
+    vc = vc.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty({B, T, Hq, D}, q.options());
+    if (B * T * Hq > 0 && D > 0) {
+        if (T >= kAttnTileMinT && !attn_old_env())
+            attention_tiles(q, kc, vc, out, pp, scale);
+        else
+            attention_rows(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>(), pp,
+                           B, T, Hq, Hk, D, live, static_cast<float>(scale));
+    }
     return q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
 }
 
