@@ -231,6 +231,16 @@ def test_attention_prefill_tiles(dtype, case, both_paths):
         close(fast, slow, dtype)
 
 
+def test_attention_prefill_under_inference_mode():
+    # the model runs under torch.inference_mode: the tiles' pool threads must see it too
+    q, kc, vc, pos = _attn_inputs(1, 128, 8, 2, 64, 128, torch.float32, [list(range(128))])
+    expect = ref.attention_reference(q, kc, vc, pos, 0.125, "eager")
+    with torch.inference_mode():
+        q, kc, vc = q.clone(), kc.clone(), vc.clone()
+        out = torch.ops.hanzo.attention(q, kc, vc, pos, 0.125, "auto")
+    assert err(out, expect) < 1e-5
+
+
 def test_attention_prefill_matches_token_by_token():
     # the tiled path (T tokens at once) against the per-row path (one decode call per token)
     q, kc, vc, pos = _attn_inputs(1, 24, 6, 2, 16, 40, torch.float32, [list(range(10, 34))])

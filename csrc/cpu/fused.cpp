@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <atomic>
@@ -366,7 +367,12 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
         for (const Item& it : items) work(it);
         return;
     }
+    // The tile work calls ATen ops: the pool threads get the caller's thread-local state
+    // (inference mode, grad mode, dispatch keys), as at::launch does, or writing into `out` (an
+    // inference tensor under torch.inference_mode) would be refused there.
+    const at::ThreadLocalState tls;
     at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+        at::ThreadLocalStateGuard guard(tls);
         for (int64_t i = next++; i < n_items; i = next++) work(items[static_cast<size_t>(i)]);
     });
 }
