@@ -126,6 +126,31 @@ alignas(32) static const uint8_t hz_scale_masks[4][32] = {
 static inline __m256i scvec_fast(const ScaleLanes& sl, int c) {
     return _mm256_shuffle_epi8(c < 4 ? sl.lo : sl.hi, _mm256_load_si256((const __m256i*)hz_scale_masks[c & 3]));
 }
+// Immediate-shuffle form (mat-vec): lo/hi hold, per 32-bit element k of the low / high lane, the
+// scale of group 2k / 2k+1 (lo: chunks 0-3, hi: chunks 4-7) in both 16-bit halves, so chunk c's
+// vector is one vpshufd with an immediate (no mask load). PAIRS: groups 2c and 2c+1 share one
+// scale (Q4_K, Q5_K, IQ4_XS), then sc16's own lanes already have that layout.
+struct ScaleQ { __m256i lo, hi; };
+template <bool PAIRS>
+static inline ScaleQ scale_q(__m256i sc16) {
+    __m256i lo = _mm256_permute2x128_si256(sc16, sc16, 0x00), hi = _mm256_permute2x128_si256(sc16, sc16, 0x11);
+    if constexpr (!PAIRS) {
+        const __m256i m = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                           2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+        lo = _mm256_shuffle_epi8(lo, m);
+        hi = _mm256_shuffle_epi8(hi, m);
+    }
+    return ScaleQ{lo, hi};
+}
+static inline __m256i scq(const ScaleQ& s, int c) {
+    const __m256i v = c < 4 ? s.lo : s.hi;
+    switch (c & 3) {
+        case 0: return _mm256_shuffle_epi32(v, 0x00);
+        case 1: return _mm256_shuffle_epi32(v, 0x55);
+        case 2: return _mm256_shuffle_epi32(v, 0xaa);
+        default: return _mm256_shuffle_epi32(v, 0xff);
+    }
+}
 static inline __m256i scvec(__m256i sc16, int c) {
     __m256i v = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(c));
     return _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
@@ -143,12 +168,35 @@ static inline __m256i bits_to_bytes(uint32_t bits, int value) {  // byte i = (bi
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8((char)value));
 }
 
+static inline uint64_t rd_u64(const uint8_t* p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline uint64_t spread_nibbles(uint32_t x) {  // nibble i of x -> low nibble of byte i
+    uint64_t y = x;
+    y = (y | (y << 16)) & 0x0000ffff0000ffffULL;
+    y = (y | (y << 8)) & 0x00ff00ff00ff00ffULL;
+    return (y | (y << 4)) & 0x0f0f0f0f0f0f0f0fULL;
+}
+static inline uint64_t spread_2bits(uint32_t x) {  // bits 2i, 2i+1 of x (i < 8) -> bits 0-1 of byte i
+    uint64_t y = x & 0xffffu;
+    y = (y | (y << 24)) & 0x000000ff000000ffULL;
+    y = (y | (y << 12)) & 0x000f000f000f000fULL;
+    return (y | (y << 6)) & 0x0303030303030303ULL;
+}
+
 // Register-level hooks. Primary template: the generic rule, via the scalar unpack() into an
 // L1-resident buffer (serves every format). Specializations below are the hot formats.
 // QK == 32: d already includes the block's single scale, dmin its single min.
+//
+// DM_F16 (256-value formats): the block starts with d and dmin as two fp16 (Q4_K, Q5_K).
+// MIN_LOG2 >= 0 (256-value formats with HAS_MIN): dmin == 2^MIN_LOG2 * d exactly, so the mat-vec
+// subtracts the min term in int32 (is - (mn16 . xs) << MIN_LOG2) before one float fix-up.
+// Mat-vec hooks of the 32-value formats whose values are d * (signed integer) with no separate
+// min (S8 = true): dval(b) gives the block scale d, and the integers are
+// either U_OFF > 0: chunk(b, p, 0) - U_OFF with chunk's uint8 q <= 31 (Q4_0, Q5_0), or
+// U_OFF == 0: qs8(b) as int8 (Q_MIN128: qs8 can hold -128, then the dot takes |q|).
 template <class T>
 struct Hooks {
-    static constexpr bool SIGNED = T::SIGNED, HAS_MIN = T::HAS_MIN;
+    static constexpr bool SIGNED = T::SIGNED, HAS_MIN = T::HAS_MIN, S8 = false, Q_MIN128 = false, SC_PAIRS = false, DM_F16 = false;
+    static constexpr int U_OFF = 0, MIN_LOG2 = -1;
     struct Prep { float d, dmin; __m256i sc16, mn16; Unpacked u; };
     static inline void prep(const uint8_t* b, Prep& p) {
         T::unpack(b, p.u);
@@ -178,7 +226,8 @@ static inline void prep_k4_scales(const uint8_t* s, PrepK& p) {  // Q4_K/Q5_K 12
 }
 
 template <> struct Hooks<FQ4_K> {
-    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static constexpr bool SIGNED = false, HAS_MIN = true, SC_PAIRS = true, DM_F16 = true;
+    static constexpr int MIN_LOG2 = -1;
     typedef PrepK Prep;
     static inline void prep(const uint8_t* b, Prep& p) { prep_k4_scales(b + 4, p); p.d = f16c(b); p.dmin = f16c(b + 2); }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
@@ -188,7 +237,8 @@ template <> struct Hooks<FQ4_K> {
     }
 };
 template <> struct Hooks<FQ5_K> {
-    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static constexpr bool SIGNED = false, HAS_MIN = true, SC_PAIRS = true, DM_F16 = true;
+    static constexpr int MIN_LOG2 = -1;
     typedef PrepK Prep;
     static inline void prep(const uint8_t* b, Prep& p) { prep_k4_scales(b + 4, p); p.d = f16c(b); p.dmin = f16c(b + 2); }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
@@ -201,7 +251,8 @@ template <> struct Hooks<FQ5_K> {
     }
 };
 template <> struct Hooks<FQ6_K> {  // unsigned q6 with min 32*sc: no sign fix-up in the dot
-    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static constexpr bool SIGNED = false, HAS_MIN = true, SC_PAIRS = false, DM_F16 = false;
+    static constexpr int MIN_LOG2 = 5;
     typedef PrepK Prep;
     static inline void prep(const uint8_t* b, Prep& p) {
         p.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));
@@ -224,12 +275,19 @@ template <> struct Hooks<FQ8_0> {
     typedef Prep32 Prep;
     static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 0.f; }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
+    static constexpr bool S8 = true, Q_MIN128 = true;
+    static constexpr int U_OFF = 0;
+    static inline float dval(const uint8_t* b) { return f16c(b); }
+    static inline __m256i qs8(const uint8_t* b) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
 };
 template <> struct Hooks<FQ4_0> {
     static constexpr bool SIGNED = false, HAS_MIN = true;
     typedef Prep32 Prep;
     static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 8.f * p.d; }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 2))); }
+    static constexpr bool S8 = true, Q_MIN128 = false;
+    static constexpr int U_OFF = 8;
+    static inline float dval(const uint8_t* b) { return f16c(b); }
 };
 template <> struct Hooks<FQ5_0> {
     static constexpr bool SIGNED = false, HAS_MIN = true;
@@ -238,6 +296,9 @@ template <> struct Hooks<FQ5_0> {
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
         return _mm256_or_si256(nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 6))), bits_to_bytes(rd_u32(b + 2), 16));
     }
+    static constexpr bool S8 = true, Q_MIN128 = false;
+    static constexpr int U_OFF = 16;
+    static inline float dval(const uint8_t* b) { return f16c(b); }
 };
 template <> struct Hooks<FIQ4_NL> {
     static constexpr bool SIGNED = true, HAS_MIN = false;
@@ -247,6 +308,10 @@ template <> struct Hooks<FIQ4_NL> {
         const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_iq4nl_));
         return _mm256_shuffle_epi8(tab, nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 2))));
     }
+    static constexpr bool S8 = true, Q_MIN128 = false;
+    static constexpr int U_OFF = 0;
+    static inline float dval(const uint8_t* b) { return f16c(b); }
+    static inline __m256i qs8(const uint8_t* b) { return chunk(b, Prep(), 0); }
 };
 
 template <> struct Hooks<FMXFP4> {
@@ -261,17 +326,20 @@ template <> struct Hooks<FMXFP4> {
         const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_mxfp4_));
         return _mm256_shuffle_epi8(tab, nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 1))));
     }
+    static constexpr bool S8 = true, Q_MIN128 = false;
+    static constexpr int U_OFF = 0;
+    static inline float dval(const uint8_t* b) { Prep p; prep(b, p); return p.d; }
+    static inline __m256i qs8(const uint8_t* b) { return chunk(b, Prep(), 0); }
 };
 template <> struct Hooks<FIQ4_XS> {
-    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static constexpr bool SIGNED = true, HAS_MIN = false, SC_PAIRS = true, DM_F16 = false;
+    static constexpr int MIN_LOG2 = -1;
     typedef PrepK Prep;
     static inline void prep(const uint8_t* b, Prep& p) {
-        alignas(32) int16_t sc[16];
-        const uint16_t sh = rd_u16(b + 2);
-        const uint8_t* sl = b + 4;
-        for (int ib = 0; ib < 8; ++ib)
-            sc[2 * ib] = sc[2 * ib + 1] = (int16_t)((((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)) - 32);
-        p.sc16 = _mm256_load_si256((const __m256i*)sc);
+        // 8 six-bit scales, sub-block ib in byte ib: low nibble from scales_l, 2 high bits from scales_h
+        const uint64_t ls = spread_nibbles(rd_u32(b + 4)) | (spread_2bits(rd_u16(b + 2)) << 4);
+        const __m128i v = _mm_shuffle_epi8(_mm_cvtsi64_si128((long long)ls), _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+        p.sc16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(v), _mm256_set1_epi16(32));
         p.d = f16c(b);
         p.dmin = 0.f;
     }
@@ -281,17 +349,18 @@ template <> struct Hooks<FIQ4_XS> {
     }
 };
 template <> struct Hooks<FQ3_K> {  // unsigned q3 = 2 low bits | high bit << 2, min 4*sc
-    static constexpr bool SIGNED = false, HAS_MIN = true;
+    static constexpr bool SIGNED = false, HAS_MIN = true, SC_PAIRS = false, DM_F16 = false;
+    static constexpr int MIN_LOG2 = 0;
     typedef PrepK Prep;
     static inline void prep(const uint8_t* b, Prep& p) {
-        alignas(32) int16_t sc[16];
-        const uint8_t* s = b + 96;
-        for (int g = 0; g < 16; ++g) {
-            int lo = g < 8 ? (s[g] & 15) : (s[g - 8] >> 4);
-            int hi = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
-            sc[g] = (int16_t)((lo | (hi << 4)) - 32);
-        }
-        p.sc16 = _mm256_load_si256((const __m256i*)sc);
+        // 16 six-bit scales: low nibbles of bytes 0-7 (groups 0-7) then their high nibbles (8-15);
+        // 2 high bits of group g at bits 2*(g/4) of byte 8 + g%4
+        const uint64_t lo = rd_u64(b + 96), h = rd_u32(b + 104);
+        const uint64_t hlo = (h & 0x03030303u) | (((h >> 2) & 0x03030303u) << 32);
+        const uint64_t hhi = ((h >> 4) & 0x03030303u) | (((h >> 6) & 0x03030303u) << 32);
+        const __m128i v = _mm_set_epi64x((long long)(((lo >> 4) & 0x0f0f0f0f0f0f0f0fULL) | (hhi << 4)),
+                                         (long long)((lo & 0x0f0f0f0f0f0f0f0fULL) | (hlo << 4)));
+        p.sc16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(v), _mm256_set1_epi16(32));
         p.mn16 = _mm256_slli_epi16(p.sc16, 2);
         p.d = f16c(b + 108);
         p.dmin = p.d;
