@@ -47,7 +47,7 @@ KERNEL_MAX_RTOL = 0.25
 SHAPE_RTOL = 1e-2
 N_GREEDY = 32
 MAX_CONTEXT = 128
-FALLBACK_OPS = ("mul_mat", "mul_mat_id", "get_rows")
+FALLBACK_OPS = ("mul_mat", "mul_mat_id", "get_rows", "swiglu_mul_mat")
 
 # Packed formats per role (embd, output, attn, ffn = gate/up, ffn_down, router), per layer.
 SPECS = {

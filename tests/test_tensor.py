@@ -98,12 +98,15 @@ def test_linear_matmul_route_to_mul_mat():
         with OpLog() as log:
             y = fn()
         assert "hanzo.mul_mat.default" in log.ops and "hanzo.dequantize.default" not in log.ops, (name, log.ops)
-        torch.testing.assert_close(y, want if y.dim() == 3 else want[0], msg=name)
+        # M=3 (mm) runs the mat-vec kernel, M=6 the GEMM: same value up to float32 summation order
+        torch.testing.assert_close(y, want if y.dim() == 3 else want[0], msg=name, rtol=1e-5,
+                                   atol=1e-6 * want.abs().max().item())
     torch.testing.assert_close(F.linear(x, w, b), want + b)
     torch.testing.assert_close(F.linear(x, w), x @ W.T, rtol=1e-5, atol=1e-4)
     assert (x @ w.T).dtype == torch.float32 and w.T.shape == (K, N) and w.T.T.shape == (N, K)
     assert torch.ops.aten.addmm(b, x[0], w.T).shape == (3, N)
-    torch.testing.assert_close(torch.ops.aten.addmm(b, x[0], w.T), want[0] + b)
+    torch.testing.assert_close(torch.ops.aten.addmm(b, x[0], w.T), want[0] + b, rtol=1e-5,
+                               atol=1e-6 * want.abs().max().item())
 
 
 def test_nn_linear_and_embedding_modules():

@@ -139,7 +139,14 @@ def build(verbose: bool = False):
         _install_grids(ext)
         _ext = ext
         _failed = None
-        return ext
+    from .fused import install_fast_paths  # outside the lock: it asks default_isa(), which may build
+
+    try:
+        install_fast_paths(ext, _choose_isa(""), MV_MAX_ROWS)
+    except Exception as e:  # the Python op bodies keep running the same kernels, only slower
+        warnings.warn(f"hanzo_torch: the C++ dispatch of the CPU ops could not be installed ({e}); "
+                      "using the Python op bodies", RuntimeWarning, stacklevel=2)
+    return ext
 
 
 def extension():
