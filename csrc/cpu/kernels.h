@@ -109,24 +109,7 @@ static inline __m256i dot_acc(__m256i acc, __m256i q, __m256i x, __m256i s16) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s16));
 #endif
 }
-// int16 scale vector for 32-value chunk c of a 256-block: group 2c in the low lane, 2c+1 high.
-// Fast form: slo/shi hold groups 0-7 / 8-15 in both lanes (2 ops per block), then one in-lane
-// byte shuffle per chunk picks the chunk's two groups.
-struct ScaleLanes { __m256i lo, hi; };
-static inline ScaleLanes scale_lanes(__m256i sc16) {
-    return ScaleLanes{_mm256_permute2x128_si256(sc16, sc16, 0x00), _mm256_permute2x128_si256(sc16, sc16, 0x11)};
-}
-alignas(32) static const uint8_t hz_scale_masks[4][32] = {
-#define HZ_M(e) (uint8_t)(2 * (e)), (uint8_t)(2 * (e) + 1)
-#define HZ_M8(e) HZ_M(e), HZ_M(e), HZ_M(e), HZ_M(e), HZ_M(e), HZ_M(e), HZ_M(e), HZ_M(e)
-    {HZ_M8(0), HZ_M8(1)}, {HZ_M8(2), HZ_M8(3)}, {HZ_M8(4), HZ_M8(5)}, {HZ_M8(6), HZ_M8(7)},
-#undef HZ_M8
-#undef HZ_M
-};
-static inline __m256i scvec_fast(const ScaleLanes& sl, int c) {
-    return _mm256_shuffle_epi8(c < 4 ? sl.lo : sl.hi, _mm256_load_si256((const __m256i*)hz_scale_masks[c & 3]));
-}
-// Immediate-shuffle form (mat-vec): lo/hi hold, per 32-bit element k of the low / high lane, the
+// Scale vectors of a 256-value block for the mat-vec: lo/hi hold, per 32-bit element k of the low / high lane, the
 // scale of group 2k / 2k+1 (lo: chunks 0-3, hi: chunks 4-7) in both 16-bit halves, so chunk c's
 // vector is one vpshufd with an immediate (no mask load). PAIRS: groups 2c and 2c+1 share one
 // scale (Q4_K, Q5_K, IQ4_XS), then sc16's own lanes already have that layout.
@@ -151,6 +134,7 @@ static inline __m256i scq(const ScaleQ& s, int c) {
         default: return _mm256_shuffle_epi32(v, 0xff);
     }
 }
+// int16 scale vector for 32-value chunk c of a 256-block: group 2c in the low lane, 2c+1 high.
 static inline __m256i scvec(__m256i sc16, int c) {
     __m256i v = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(c));
     return _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,

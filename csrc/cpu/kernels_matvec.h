@@ -1,97 +1,88 @@
 // Mat-vec (decode, small M) kernels over the Hooks of kernels.h. Included by kernels.h inside
 // namespace hz_<isa>, SIMD path only (HZ_ISA >= 1).
 
-// One activation row (M == 1, the decode case), R (1 or 2) weight rows per iteration: the rows'
-// blocks are independent work in one loop body (two dependency chains, two memory streams, one
-// activation load per chunk). 32-value formats with signed int8 values (Hooks::S8) take the
-// dot as maddubs(|x|, sign(q, x)) (|x| shared by the rows) and need no min term.
-template <class T, int R>
-static inline void matvec_rows(const uint8_t* row0, int64_t rb, const HzAct* a, int64_t m, float* out, int64_t ldo) {
+// One activation row (M == 1, the decode case), one weight row at a time (two interleaved rows
+// measured no faster for Q4_0 and 30% slower for Q8_0 from DRAM, and spill registers for the
+// K-quants). 32-value formats with signed integers (Hooks::S8) need no min term: Q4_0/Q5_0 dot
+// maddubs(q, x) - maddubs(off, x), the others |x| * sign(q, x) (Q8_0: |q| * sign(x, q), as q can
+// be -128); two blocks per iteration go to two accumulators so the float fix-ups are not one
+// fmadd chain. K-quants: scales by immediate vpshufd (scale_q), the min folded into int32 when
+// dmin = 2^k d (Q6_K, Q3_K), d and dmin converted together (Q4_K, Q5_K).
+template <class T>
+static inline float matvec_row(const uint8_t* row, const HzAct* a, int64_t m) {
     typedef Hooks<T> H;
     const int64_t K = a->K, nb = K / T::QK;
     const int8_t* xq = a->q + m * K; const float* xd = a->d + m * nb; const int16_t* xs = a->s + m * (K / 16);
     const __m256i ones = _mm256_load_si256(hz_ones16());
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     if constexpr (T::QK == 32) {
       if constexpr (H::S8) {
-        for (int64_t b = 0; b < nb; ++b) {
+        __m256 acc2 = _mm256_setzero_ps();
+        auto block = [&](int64_t b, __m256& ac, bool pf) {
+            const uint8_t* blk = row + b * T::BYTES;
+            if (pf)  // once per block pair (2 * BYTES <= 68 bytes)
+                for (int off = 0; off < 2 * T::BYTES; off += 64) _mm_prefetch((const char*)(blk + hz_prefetch_bytes + off), _MM_HINT_T0);
             const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
-            // U_OFF: sum (q - off) x = maddubs(q, x) - maddubs(off, x); else |x| * sign(q, x)
-            const __m256i xo = H::U_OFF ? _mm256_maddubs_epi16(_mm256_set1_epi8((char)H::U_OFF), x) : _mm256_abs_epi8(x);
-            for (int r = 0; r < R; ++r) {
-                const uint8_t* blk = row0 + r * rb + b * T::BYTES;
-                _mm_prefetch((const char*)(blk + hz_prefetch_bytes), _MM_HINT_T0);
-                __m256i p;
-                if constexpr (H::U_OFF != 0) {
-                    p = _mm256_sub_epi16(_mm256_maddubs_epi16(H::chunk(blk, typename H::Prep(), 0), x), xo);
-                } else {
-                    const __m256i q = H::qs8(blk);
-                    p = H::Q_MIN128 ? _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q))
-                                    : _mm256_maddubs_epi16(xo, _mm256_sign_epi8(q, x));
-                }
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(H::dval(blk) * xd[b]), acc[r]);
+            __m256i p;
+            if constexpr (H::U_OFF != 0) {  // sum (q - off) x = maddubs(q, x) - maddubs(off, x)
+                p = _mm256_sub_epi16(_mm256_maddubs_epi16(H::chunk(blk, typename H::Prep(), 0), x),
+                                     _mm256_maddubs_epi16(_mm256_set1_epi8((char)H::U_OFF), x));
+            } else {
+                const __m256i q = H::qs8(blk);
+                p = H::Q_MIN128 ? _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q))
+                                : _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(q, x));
             }
-        }
-      } else {
-        float accs[R];
-        for (int r = 0; r < R; ++r) accs[r] = 0.f;
+            ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(H::dval(blk) * xd[b]), ac);
+        };
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) { block(b, acc, true); block(b + 1, acc2, false); }
+        if (b < nb) block(b, acc, true);
+        acc = _mm256_add_ps(acc, acc2);
+      } else {  // generic 32-value formats (Q4_1, Q5_1: a float min per block)
+        float accs = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = row + b * T::BYTES;
+            _mm_prefetch((const char*)(blk + hz_prefetch_bytes), _MM_HINT_T0);
             const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
             const float dx = xd[b];
-            for (int r = 0; r < R; ++r) {
-                const uint8_t* blk = row0 + r * rb + b * T::BYTES;
-                _mm_prefetch((const char*)(blk + hz_prefetch_bytes), _MM_HINT_T0);
-                typename H::Prep p;
-                H::prep(blk, p);
-                __m256i is = dot_acc<H::SIGNED>(_mm256_setzero_si256(), H::chunk(blk, p, 0), x, ones);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(p.d * dx), acc[r]);
-                if constexpr (H::HAS_MIN) accs[r] += p.dmin * dx * (float)(xs[2 * b] + xs[2 * b + 1]);
-            }
+            typename H::Prep p;
+            H::prep(blk, p);
+            const __m256i is = dot_acc<H::SIGNED>(_mm256_setzero_si256(), H::chunk(blk, p, 0), x, ones);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(p.d * dx), acc);
+            if constexpr (H::HAS_MIN) accs += p.dmin * dx * (float)(xs[2 * b] + xs[2 * b + 1]);
         }
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_sub_ps(acc[r], _mm256_setr_ps(accs[r], 0, 0, 0, 0, 0, 0, 0));
+        return hsum8(acc) - accs;
       }
     } else {
         for (int64_t b = 0; b < nb; ++b) {
-            const float* dxp = xd + b;
-            for (int r = 0; r < R; ++r) {
-                const uint8_t* blk = row0 + r * rb + b * T::BYTES;
-                for (int off = 0; off < T::BYTES; off += 64) _mm_prefetch((const char*)(blk + hz_prefetch_bytes + off), _MM_HINT_T0);
-                typename H::Prep p;
-                H::prep(blk, p);
-                __m256i is = _mm256_setzero_si256();
-                const ScaleQ sq = scale_q<H::SC_PAIRS>(p.sc16);
-                for (int c = 0; c < T::QK / 32; ++c)
-                    is = dot_acc<H::SIGNED>(is, H::chunk(blk, p, c), _mm256_loadu_si256((const __m256i*)(xq + b * T::QK + 32 * c)), scq(sq, c));
-                if constexpr (H::HAS_MIN && H::MIN_LOG2 >= 0) {  // min in int32, one float fix-up
+            const uint8_t* blk = row + b * T::BYTES;
+            for (int off = 0; off < T::BYTES; off += 64) _mm_prefetch((const char*)(blk + hz_prefetch_bytes + off), _MM_HINT_T0);
+            typename H::Prep p;
+            H::prep(blk, p);
+            __m256i is = _mm256_setzero_si256();
+            const ScaleQ sq = scale_q<H::SC_PAIRS>(p.sc16);
+            for (int c = 0; c < T::QK / 32; ++c)
+                is = dot_acc<H::SIGNED>(is, H::chunk(blk, p, c), _mm256_loadu_si256((const __m256i*)(xq + b * T::QK + 32 * c)), scq(sq, c));
+            if constexpr (H::HAS_MIN && H::MIN_LOG2 >= 0) {  // min in int32, one float fix-up
+                const __m256i mm = _mm256_madd_epi16(p.mn16, _mm256_loadu_si256((const __m256i*)(xs + b * 16)));
+                is = _mm256_sub_epi32(is, _mm256_slli_epi32(mm, H::MIN_LOG2));
+            }
+            if constexpr (H::DM_F16) {  // [d, dmin] * dx in one conversion
+                const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)rd_u32(blk))), _mm_set1_ps(xd[b]));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_broadcastss_ps(dm), acc);
+                const __m256i mm = _mm256_madd_epi16(p.mn16, _mm256_loadu_si256((const __m256i*)(xs + b * 16)));
+                acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_broadcastss_ps(_mm_movehdup_ps(dm)), acc);
+            } else {
+                const float dx = xd[b];
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(p.d * dx), acc);
+                if constexpr (H::HAS_MIN && H::MIN_LOG2 < 0) {
                     const __m256i mm = _mm256_madd_epi16(p.mn16, _mm256_loadu_si256((const __m256i*)(xs + b * 16)));
-                    is = _mm256_sub_epi32(is, _mm256_slli_epi32(mm, H::MIN_LOG2));
-                }
-                if constexpr (H::DM_F16) {  // [d, dmin] * dx in one conversion
-                    const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)rd_u32(blk))), _mm_set1_ps(*dxp));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_broadcastss_ps(dm), acc[r]);
-                    const __m256i mm = _mm256_madd_epi16(p.mn16, _mm256_loadu_si256((const __m256i*)(xs + b * 16)));
-                    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_broadcastss_ps(_mm_movehdup_ps(dm)), acc[r]);
-                } else {
-                    const float dx = *dxp;
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(p.d * dx), acc[r]);
-                    if constexpr (H::HAS_MIN && H::MIN_LOG2 < 0) {
-                        __m256i mm = _mm256_madd_epi16(p.mn16, _mm256_loadu_si256((const __m256i*)(xs + b * 16)));
-                        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(p.dmin * dx), acc[r]);
-                    }
+                    acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(p.dmin * dx), acc);
                 }
             }
         }
     }
-    for (int r = 0; r < R; ++r) out[r * ldo] = hsum8(acc[r]);
-}
-
-template <class T>
-static void matvec_m1(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t m, float* y) {
-    constexpr int R = T::QK == 32 ? 2 : 1;  // (two K-quant rows at a time spill registers)
-    int64_t n = n0;
-    for (; n + R <= n1; n += R) matvec_rows<T, R>(W + n * rb, rb, a, m, y + n, 1);
-    if (n < n1) matvec_rows<T, 1>(W + n * rb, rb, a, m, y + n, 1);
+    return hsum8(acc);
 }
 
 // Mat-vec for MR (1..4) activation rows: each weight block is unpacked once and dotted with
@@ -128,10 +119,10 @@ static void matvec_tile(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
             } else {
                 __m256i is[MR];
                 for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
-                const ScaleLanes sl = scale_lanes(p.sc16);
+                const ScaleQ sq = scale_q<H::SC_PAIRS>(p.sc16);
                 for (int c = 0; c < T::QK / 32; ++c) {
                     __m256i q = H::chunk(blk, p, c);
-                    __m256i s = scvec_fast(sl, c);
+                    __m256i s = scq(sq, c);
                     for (int m = 0; m < MR; ++m)
                         is[m] = dot_acc<H::SIGNED>(is[m], q, _mm256_loadu_si256((const __m256i*)(xq[m] + b * T::QK + 32 * c)), s);
                 }
@@ -157,7 +148,9 @@ static void matvec_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
     switch (M - m0) {
         case 3: matvec_tile<T, 3>(W, rb, n0, n1, a, m0, y, ldy); break;
         case 2: matvec_tile<T, 2>(W, rb, n0, n1, a, m0, y, ldy); break;
-        case 1: matvec_m1<T>(W, rb, n0, n1, a, m0, y + m0 * ldy); break;
+        case 1:
+            for (int64_t n = n0; n < n1; ++n) y[m0 * ldy + n] = matvec_row<T>(W + n * rb, a, m0);
+            break;
         default: break;
     }
 }
