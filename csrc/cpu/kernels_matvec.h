@@ -54,11 +54,18 @@ static inline float matvec_row(const uint8_t* row, const HzAct* a, int64_t m) {
         return hsum8(acc) - accs;
       }
     } else {
+        typename H::Prep pn;
+        if (H::PREP_AHEAD && nb > 0) H::prep(row, pn);
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* blk = row + b * T::BYTES;
             for (int off = 0; off < T::BYTES; off += 64) _mm_prefetch((const char*)(blk + hz_prefetch_bytes + off), _MM_HINT_T0);
             typename H::Prep p;
-            H::prep(blk, p);
+            if constexpr (H::PREP_AHEAD) {  // next block's scales, off this block's critical path
+                p = pn;
+                if (b + 1 < nb) H::prep(blk + T::BYTES, pn);
+            } else {
+                H::prep(blk, p);
+            }
             __m256i is = _mm256_setzero_si256();
             const ScaleQ sq = scale_q<H::SC_PAIRS>(p.sc16);
             for (int c = 0; c < T::QK / 32; ++c)
