@@ -5,7 +5,10 @@
 Mat-vec (decode, M=1): a set of weights totalling > 4x the last-level cache is cycled so the
 weights stream from DRAM as they do in a model; GB/s counts packed weight bytes read per second.
 The read bandwidth is measured in the same run (torch sum over a 1 GiB float32 tensor), so the
-ratio is a same-machine, same-load number. GEMM (prefill): GFLOP/s = 2*M*N*K / time.
+ratio is a same-machine, same-load number. With --rounds R (default 3) the bandwidth and every
+format are measured R times in turn and each round's mat-vec GB/s is divided by that round's
+bandwidth: the table gives the median and [min-max] of both (memory bandwidth on a shared VM
+drifts by tens of percent within minutes; every format's ~130 MB of weights stays allocated). GEMM (prefill): GFLOP/s = 2*M*N*K / time.
 Ratios are what to quote (a loaded 2-core machine moves absolute numbers).
 """
 from __future__ import annotations
@@ -50,7 +53,9 @@ def read_bandwidth_gbs() -> float:
     return t.numel() * 4 / s / 1e9
 
 
-def bench_matvec(qtype: str, N: int, K: int, isa: str, total_bytes: float) -> tuple[float, float]:
+def matvec_runner(qtype: str, N: int, K: int, isa: str, total_bytes: float):
+    """A function timing one pass (min over 3) of M=1 mat-vecs over > total_bytes of packed
+    weights; returns (GB/s of weight bytes, us per call)."""
     one = random_blocks(qtype, N, K, seed=0)
     n_copies = max(2, int(total_bytes // one.numel()) + 1)
     ws = [one.clone() for _ in range(n_copies)]
@@ -62,9 +67,11 @@ def bench_matvec(qtype: str, N: int, K: int, isa: str, total_bytes: float) -> tu
         for w in ws:
             ext.mul_mat(x, w, tid, lvl, 8)
 
-    s = timeit(run, reps=7, warmup=1)
-    per_call_us = s / n_copies * 1e6
-    return one.numel() * n_copies / s / 1e9, per_call_us
+    def measure() -> tuple[float, float]:
+        s = timeit(run, reps=3, warmup=1)
+        return one.numel() * n_copies / s / 1e9, s / n_copies * 1e6
+
+    return measure
 
 
 def bench_gemm(qtype: str, M: int, N: int, K: int, isa: str) -> float:
@@ -85,6 +92,8 @@ def main() -> None:
     ap.add_argument("--gemm-m", default="128,512")
     ap.add_argument("--no-gemm", action="store_true")
     ap.add_argument("--median", action="store_true", help="median instead of min over repetitions")
+    ap.add_argument("--rounds", type=int, default=3, help="bandwidth + mat-vec rounds (median and range reported)")
+    ap.add_argument("--prefetch", type=int, default=None, help="mat-vec software prefetch distance, bytes")
     args = ap.parse_args()
     global STAT
     STAT = statistics.median if args.median else min
@@ -92,14 +101,29 @@ def main() -> None:
     ext = hcpu.build()
     isa = args.isa or hcpu.ISA_NAMES[hcpu.default_isa()]
     N, K = (int(v) for v in args.shape.split(","))
-    bw = read_bandwidth_gbs()
-    print(f"threads={args.threads} isa={isa} stat={STAT.__name__} read bandwidth (torch sum, 1 GiB f32): {bw:.1f} GB/s")
-    print(f"mat-vec M=1, W [{N}, {K}] cycled over > 128 MB")
-    print(f"{'format':8s} {'bpw':>5s} {'GB/s':>7s} {'of BW':>6s} {'us/call':>8s}")
-    for q in args.formats.split(","):
+    if args.prefetch is not None:
+        ext.set_prefetch_bytes(args.prefetch)
+    fmts = args.formats.split(",")
+    runners = {q: matvec_runner(q, N, K, isa, 128e6) for q in fmts}
+    bws, res = [], {q: [] for q in fmts}
+    for _ in range(args.rounds):
+        bws.append(read_bandwidth_gbs())
+        for q in fmts:
+            res[q].append(runners[q]())
+
+    def mr(v):  # "median [min-max]"
+        return f"{statistics.median(v):5.1f} [{min(v):5.1f}-{max(v):5.1f}]"
+
+    print(f"threads={args.threads} isa={isa} stat={STAT.__name__} rounds={args.rounds} "
+          f"read bandwidth (torch sum, 1 GiB f32): {mr(bws)} GB/s")
+    print(f"mat-vec M=1, W [{N}, {K}] cycled over > 128 MB; of BW = per-round GB/s / that round's bandwidth")
+    print(f"{'format':8s} {'bpw':>5s} {'GB/s median [range]':>20s} {'of BW median [range]':>22s} {'us/call':>8s}")
+    for q in fmts:
         bs, ts = gguf.GGML_QUANT_SIZES[GT[q]]
-        gbs, us = bench_matvec(q, N, K, isa, 128e6)
-        print(f"{q:8s} {8 * ts / bs:5.2f} {gbs:7.1f} {gbs / bw:6.0%} {us:8.0f}")
+        gbs = [g for g, _ in res[q]]
+        ratio = [100 * g / b for g, b in zip(gbs, bws)]
+        us = statistics.median(u for _, u in res[q])
+        print(f"{q:8s} {8 * ts / bs:5.2f} {mr(gbs):>20s} {mr(ratio) + '%':>22s} {us:8.0f}")
     if not args.no_gemm:
         ms = [int(v) for v in args.gemm_m.split(",")]
         xf, wf = torch.randn(ms[-1], K), torch.randn(N, K)
