@@ -8,7 +8,8 @@ The read bandwidth is measured in the same run (torch sum over a 1 GiB float32 t
 ratio is a same-machine, same-load number. With --rounds R (default 3) the bandwidth and every
 format are measured R times in turn and each round's mat-vec GB/s is divided by that round's
 bandwidth: the table gives the median and [min-max] of both (memory bandwidth on a shared VM
-drifts by tens of percent within minutes; every format's ~130 MB of weights stays allocated). GEMM (prefill): GFLOP/s = 2*M*N*K / time.
+drifts by tens of percent within minutes; every format's ~130 MB of weights stays allocated).
+GEMM (prefill): GFLOP/s = 2*M*N*K / time.
 Ratios are what to quote (a loaded 2-core machine moves absolute numbers).
 """
 from __future__ import annotations
