@@ -1,9 +1,23 @@
 // Tiled int8 GEMM (prefill, large M) over the Hooks of kernels.h. Included by kernels.h inside
 // namespace hz_<isa>, SIMD path only (HZ_ISA >= 1).
-
-// GEMM: for a tile of NR weight rows and a K panel, unpack the weights ONCE into an
-// L1/L2-resident buffer (int8 values + pre-shuffled scale vectors), then sweep all activation
-// rows of an M block with an MR x NR register tile of int32 accumulators.
+//
+// For a tile of NR weight rows and a K panel, the weights are unpacked ONCE into an L1/L2-resident
+// buffer (int8 values + pre-shuffled scale vectors); then all activation rows of an M block meet
+// them in an MR x NR register tile of int32 accumulators (maddubs + madd per 32 values and entry).
+// After each weight block the entries get a float fix-up (d * dx, and the min term of formats
+// with one): ~20% of the kernel's time, so two variants, chosen per format by measurement:
+//   gemm_simd_pairs  the int32 vectors of two weight rows are folded into one (unpack + add on
+//                    the shuffle ports) and converted, scaled and accumulated together; a min
+//                    that is an exact integer multiple of the scale (GemmMinRatio: Q6_K, Q3_K)
+//                    is subtracted in int32 first. The 32-value formats, Q6_K, Q3_K and the
+//                    256-value formats without a min (IQ*). Measured against the previous
+//                    single kernel (= gemm_simd_rows), M=512, K=N=1536, 1 thread, best of
+//                    runs: Q8_0 ~74-76 vs ~62-66 GFLOP/s, Q6_K ~102-110 vs ~99-104.
+//   gemm_simd_rows   one float accumulator per entry, the min term as float FMAs of
+//                    dmin * mn against dx * sum(x) per 16 values. 256-value formats whose min
+//                    has its own float scale (Q2_K, Q4_K, Q5_K, TQ1_0, TQ2_0): faster for them
+//                    than folding the mins in int32 with a second conversion (Q4_K: ~101-107
+//                    vs ~94-100 GFLOP/s).
 #if HZ_ISA >= 2
 #define HZ_GEMM_MR 4
 #define HZ_GEMM_NR 3
@@ -14,8 +28,14 @@
 static const int64_t HZ_KC = 2048;  // K panel (values): NR*KC bytes of weights stay in L1
 static const int64_t HZ_MC = 64;    // M block (rows): MC*KC activation bytes stay in L2
 
+// dmin == R * d exactly in every block of these formats' Hooks (kernels.h), so the min term
+// R * d * dx * sum_g mn_g * xs_g folds into the int32 dot. 0: no such relation.
+template <class T> struct GemmMinRatio { static constexpr int value = 0; };
+template <> struct GemmMinRatio<FQ6_K> { static constexpr int value = 32; };  // unsigned q6, min 32 * sc, dmin = 32 * d
+template <> struct GemmMinRatio<FQ3_K> { static constexpr int value = 1; };   // min 4 * sc, dmin = d
+
 template <class T>
-static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
+static void gemm_simd_rows(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
                       float* y, int64_t ldy) {
     typedef Hooks<T> H;
     constexpr int MR = HZ_GEMM_MR, NR = HZ_GEMM_NR, NC = T::QK / 32;
@@ -104,4 +124,131 @@ static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
         }
     }
     free(qbuf); free(sbuf); free(mbuf); free(dbuf);
+}
+
+template <class T>
+static void gemm_simd_pairs(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
+                      float* y, int64_t ldy) {
+    typedef Hooks<T> H;
+    constexpr int MR = HZ_GEMM_MR, NR = HZ_GEMM_NR, NC = T::QK / 32, NP = NR / 2;  // NP row pairs
+    constexpr bool K256 = T::QK != 32;
+    constexpr int RATIO = K256 && H::HAS_MIN ? GemmMinRatio<T>::value : 0;
+    static_assert(!(K256 && H::HAS_MIN && RATIO == 0), "K-quant mins without an integer ratio: gemm_simd_rows");
+    const int64_t K = a->K, nb = K / T::QK;
+    const int64_t KB = hz_min<int64_t>(nb, HZ_KC / T::QK > 0 ? HZ_KC / T::QK : 1);
+    // per-thread scratch: NR rows x KB blocks
+    __m256i* qbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB * NC);
+    __m256i* sbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB * NC);
+    __m256i* ibuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB);   // RATIO: int16 mn per 16
+    __m256* pbuf = (__m256*)aligned_alloc(32, sizeof(__m256) * (NP + 1) * KB);  // [d_r d_r+1 x4] per pair, [d_r x8]
+    float* dmbuf = (float*)aligned_alloc(32, sizeof(float) * ((NR * KB + 7) / 8 * 8));
+    const __m256i ones = _mm256_load_si256(hz_ones16());
+    for (int64_t mc = 0; mc < M; mc += HZ_MC) {
+        const int64_t me = hz_min<int64_t>(M, mc + HZ_MC);
+        for (int64_t kp = 0; kp < nb; kp += KB) {
+            const int64_t kb = hz_min<int64_t>(KB, nb - kp);
+            for (int64_t nt = n0; nt < n1; nt += NR) {
+                const int nr = (int)hz_min<int64_t>(NR, n1 - nt);
+                for (int64_t b = 0; b < kb; ++b) {
+                    float d[NR];
+                    for (int r = 0; r < NR; ++r) {
+                        const uint8_t* blk = W + (nt + (r < nr ? r : nr - 1)) * rb + (kp + b) * T::BYTES;
+                        typename H::Prep p;
+                        H::prep(blk, p);
+                        for (int c = 0; c < NC; ++c) {
+                            qbuf[(r * KB + b) * NC + c] = H::chunk(blk, p, c);
+                            if constexpr (K256) sbuf[(r * KB + b) * NC + c] = scvec(p.sc16, c);
+                        }
+                        d[r] = p.d;
+                        dmbuf[r * KB + b] = p.dmin;
+                        if constexpr (RATIO != 0) ibuf[r * KB + b] = p.mn16;
+                    }
+                    for (int j = 0; j < NP; ++j)
+                        pbuf[b * (NP + 1) + j] = _mm256_setr_ps(d[2 * j], d[2 * j + 1], d[2 * j], d[2 * j + 1],
+                                                                d[2 * j], d[2 * j + 1], d[2 * j], d[2 * j + 1]);
+                    pbuf[b * (NP + 1) + NP] = _mm256_set1_ps(d[NR - 1]);
+                }
+                for (int64_t mt = mc; mt < me; mt += MR) {
+                    const int mr = (int)hz_min<int64_t>(MR, me - mt);
+                    const int8_t* xq[MR]; const float* xd[MR]; const float* xs[MR]; const int16_t* xs16[MR];
+                    for (int m = 0; m < MR; ++m) {
+                        int64_t mm = mt + (m < mr ? m : mr - 1);
+                        xq[m] = a->q + mm * K + kp * T::QK; xd[m] = a->d + mm * nb + kp;
+                        xs[m] = a->sf + mm * (K / 16) + kp * (T::QK / 16); xs16[m] = a->s + mm * (K / 16) + kp * (T::QK / 16);
+                    }
+                    // accp[m][j]: rows 2j (even lanes) and 2j+1 (odd lanes); acc1[m]: row NR-1 when NR is odd;
+                    // accs[m][r]: QK 32 mins
+                    __m256 accp[MR][NP > 0 ? NP : 1], acc1[MR];
+                    float accs[MR][NR];
+                    for (int m = 0; m < MR; ++m) {
+                        for (int j = 0; j < NP; ++j) accp[m][j] = _mm256_setzero_ps();
+                        acc1[m] = _mm256_setzero_ps();
+                        for (int r = 0; r < NR; ++r) accs[m][r] = 0.f;
+                    }
+                    for (int64_t b = 0; b < kb; ++b) {
+                        __m256i is[MR][NR];
+                        for (int m = 0; m < MR; ++m)
+                            for (int r = 0; r < NR; ++r) is[m][r] = _mm256_setzero_si256();
+                        for (int c = 0; c < NC; ++c) {
+                            __m256i x[MR];
+                            for (int m = 0; m < MR; ++m) x[m] = _mm256_loadu_si256((const __m256i*)(xq[m] + b * T::QK + 32 * c));
+                            for (int r = 0; r < NR; ++r) {
+                                __m256i q = qbuf[(r * KB + b) * NC + c];
+                                __m256i s = K256 ? sbuf[(r * KB + b) * NC + c] : ones;
+                                for (int m = 0; m < MR; ++m) is[m][r] = dot_acc<H::SIGNED>(is[m][r], q, x[m], s);
+                            }
+                        }
+                        for (int m = 0; m < MR; ++m) {
+                            const __m256 dx = _mm256_broadcast_ss(xd[m] + b);
+                            if constexpr (RATIO != 0) {  // is -= RATIO * sum_g mn_g * xs_g (exact)
+                                const __m256i xsv = _mm256_loadu_si256((const __m256i*)(xs16[m] + b * 16));
+                                for (int r = 0; r < NR; ++r) {
+                                    __m256i ms = _mm256_madd_epi16(ibuf[r * KB + b], xsv);
+                                    if constexpr (RATIO == 32) ms = _mm256_slli_epi32(ms, 5);
+                                    else if constexpr (RATIO != 1) ms = _mm256_mullo_epi32(ms, _mm256_set1_epi32(RATIO));
+                                    is[m][r] = _mm256_sub_epi32(is[m][r], ms);
+                                }
+                            }
+                            for (int j = 0; j < NP; ++j) {
+                                const __m256i u = is[m][2 * j], v = is[m][2 * j + 1];
+                                const __m256i t = _mm256_add_epi32(_mm256_unpacklo_epi32(u, v), _mm256_unpackhi_epi32(u, v));
+                                accp[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(pbuf[b * (NP + 1) + j], dx), accp[m][j]);
+                            }
+                            if constexpr (NR % 2 == 1)
+                                acc1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m][NR - 1]), _mm256_mul_ps(pbuf[b * (NP + 1) + NP], dx), acc1[m]);
+                            if constexpr (!K256 && H::HAS_MIN) {
+                                const float sx = xs[m][2 * b] + xs[m][2 * b + 1];
+                                for (int r = 0; r < NR; ++r) accs[m][r] += dmbuf[r * KB + b] * sx;
+                            }
+                        }
+                    }
+                    for (int m = 0; m < mr; ++m) {
+                        float o[NR];
+                        for (int j = 0; j < NP; ++j) {
+                            alignas(32) float l[8];
+                            _mm256_store_ps(l, accp[m][j]);
+                            o[2 * j] = (l[0] + l[2]) + (l[4] + l[6]);
+                            o[2 * j + 1] = (l[1] + l[3]) + (l[5] + l[7]);
+                        }
+                        if constexpr (NR % 2 == 1) o[NR - 1] = hsum8(acc1[m]);
+                        for (int r = 0; r < nr; ++r) {
+                            float v = o[r] - accs[m][r];
+                            float* dst = y + (mt + m) * ldy + nt + r;
+                            *dst = kp == 0 ? v : *dst + v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(qbuf); free(sbuf); free(ibuf); free(pbuf); free(dmbuf);
+}
+
+template <class T>
+static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
+                      float* y, int64_t ldy) {
+    if constexpr (T::QK != 32 && Hooks<T>::HAS_MIN && GemmMinRatio<T>::value == 0)
+        gemm_simd_rows<T>(W, rb, n0, n1, a, M, y, ldy);
+    else
+        gemm_simd_pairs<T>(W, rb, n0, n1, a, M, y, ldy);
 }
