@@ -1,7 +1,8 @@
 // CPU kernels of the small fused transformer ops (hanzo::rms_norm, add_rms_norm, qk_norm_rope,
 // swiglu, kv_cache_write, attention, moe_route). Each is one pass of plain loops over rows in
 // float32 (f16/bf16 inputs are converted per element, results rounded once to the input dtype),
-// with the same maths as the references in hanzo_torch/ops/fused.py.
+// with the same maths as the references in hanzo_torch/ops/fused.py; prompt-sized attention
+// (T >= kAttnTileMinT) runs its two contractions as ATen/BLAS float32 GEMMs over token tiles.
 //
 // Registered with the torch dispatcher as the namespace ``hanzo_cpu`` (so this file needs no hook in
 // the pybind module of ops.cpp); hanzo_torch/ops/cpu/fused.py calls them after the op wrappers in
@@ -18,7 +19,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -31,7 +31,6 @@ constexpr int64_t kParallelWork = 1 << 16;  // floats touched below which one th
 constexpr int64_t kAttnTileMinT = 8;        // attention: query tokens from which the GEMM tiles run
 constexpr int64_t kAttnTileRows = 192;      // attention: query rows (heads x tokens) per GEMM tile
 
-bool attn_old_env() { const char* e = std::getenv("HZ_ATTN_OLD"); return e && e[0] == '1'; }  // TEMP A/B
 
 template <typename T>
 inline float ld(T v) { return static_cast<float>(v); }
@@ -326,12 +325,14 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
     struct Item { int64_t b, hk, t0, t1, kmax; };
     std::vector<Item> items;
     items.reserve(static_cast<size_t>(B * Hk * nt));
+    int64_t flops = 0;  // of the two GEMMs, all tiles
     for (int64_t b = 0; b < B; ++b)
         for (int64_t t0 = 0; t0 < T; t0 += Tq) {
             const int64_t t1 = std::min(T, t0 + Tq);
             int64_t kmax = 0;
             for (int64_t t = t0; t < t1; ++t) kmax = std::max(kmax, pp[b * T + t] + 1);
             for (int64_t hk = 0; hk < Hk; ++hk) items.push_back({b, hk, t0, t1, kmax});
+            flops += 4 * Hq * (t1 - t0) * kmax * D;
         }
     // Largest first, handed out one at a time: causal tiles differ in cost by up to T/Tq times.
     std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
@@ -361,8 +362,8 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
         const at::Tensor o = at::mm(p, vt).view({G, tq, D});  // rows (g, t)
         out.select(0, it.b).narrow(0, it.t0, tq).narrow(1, it.hk * G, G).copy_(o.transpose(0, 1));
     };
-    const int64_t flops = B * Hq * T * 4 * D * std::max<int64_t>(1, items.empty() ? 1 : items.front().kmax) / 2;
-    const int64_t nthreads = (flops < (int64_t(1) << 22)) ? 1 : std::min<int64_t>(at::get_num_threads(), n_items);
+    // below ~4 MFLOP (~0.1 ms) waking the pool costs more than it saves
+    const int64_t nthreads = flops < (int64_t(1) << 22) ? 1 : std::min<int64_t>(at::get_num_threads(), n_items);
     if (nthreads <= 1) {
         for (const Item& it : items) work(it);
         return;
@@ -404,7 +405,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::
     vc = vc.to(at::kFloat).contiguous();
     at::Tensor out = at::empty({B, T, Hq, D}, q.options());
     if (B * T * Hq > 0 && D > 0) {
-        if (T >= kAttnTileMinT && !attn_old_env())
+        if (T >= kAttnTileMinT)
             attention_tiles(q, kc, vc, out, pp, scale);
         else
             attention_rows(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>(), pp,
