@@ -286,6 +286,22 @@ template <> struct Hooks<FQ5_0> {
     static constexpr int U_OFF = 16;
     static inline float dval(const uint8_t* b) { return f16c(b); }
 };
+template <> struct Hooks<FQ4_1> {  // value = d * nibble + m: min term with dmin = -m
+    static constexpr bool SIGNED = false, HAS_MIN = true, S8 = false, Q_MIN128 = false;
+    static constexpr int U_OFF = 0;
+    typedef Prep32 Prep;
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = -f16c(b + 2); }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 4))); }
+};
+template <> struct Hooks<FQ5_1> {  // value = d * (nibble | bit << 4) + m
+    static constexpr bool SIGNED = false, HAS_MIN = true, S8 = false, Q_MIN128 = false;
+    static constexpr int U_OFF = 0;
+    typedef Prep32 Prep;
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = -f16c(b + 2); }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
+        return _mm256_or_si256(nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 8))), bits_to_bytes(rd_u32(b + 4), 16));
+    }
+};
 template <> struct Hooks<FIQ4_NL> {
     static constexpr bool SIGNED = true, HAS_MIN = false;
     typedef Prep32 Prep;
@@ -332,6 +348,22 @@ template <> struct Hooks<FIQ4_XS> {
     static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
         const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_iq4nl_));
         return _mm256_shuffle_epi8(tab, nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 8 + 16 * c))));
+    }
+};
+template <> struct Hooks<FQ2_K> {  // scales[16]: low nibble scale, high nibble min | qs[64] 2-bit | d | dmin
+    static constexpr bool SIGNED = false, HAS_MIN = true, SC_PAIRS = false, DM_F16 = false, PREP_AHEAD = false;
+    static constexpr int MIN_LOG2 = -1;
+    typedef PrepK Prep;
+    static inline void prep(const uint8_t* b, Prep& p) {
+        const __m128i s = _mm_loadu_si128((const __m128i*)b), m4 = _mm_set1_epi8(15);
+        p.sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, m4));
+        p.mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), m4));
+        p.d = f16c(b + 80);
+        p.dmin = f16c(b + 82);
+    }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {  // values 32c..: bits 2*(c%4) of qs[32*(c/4)..]
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (c >> 2)));
+        return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (c & 3)), _mm256_set1_epi8(3));
     }
 };
 template <> struct Hooks<FQ3_K> {  // unsigned q3 = 2 low bits | high bit << 2, min 4*sc

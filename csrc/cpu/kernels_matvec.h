@@ -38,20 +38,25 @@ static inline float matvec_row(const uint8_t* row, const HzAct* a, int64_t m) {
         for (; b + 2 <= nb; b += 2) { block(b, acc, true); block(b + 1, acc2, false); }
         if (b < nb) block(b, acc, true);
         acc = _mm256_add_ps(acc, acc2);
-      } else {  // generic 32-value formats (Q4_1, Q5_1: a float min per block)
-        float accs = 0.f;
-        for (int64_t b = 0; b < nb; ++b) {
+      } else {  // 32-value formats with a float min (Q4_1, Q5_1): the same two-accumulator loop
+        __m256 acc2 = _mm256_setzero_ps();
+        float accs[2] = {0.f, 0.f};
+        auto block = [&](int64_t b, __m256& ac, float& as, bool pf) {
             const uint8_t* blk = row + b * T::BYTES;
-            _mm_prefetch((const char*)(blk + hz_prefetch_bytes), _MM_HINT_T0);
+            if (pf)
+                for (int off = 0; off < 2 * T::BYTES; off += 64) _mm_prefetch((const char*)(blk + hz_prefetch_bytes + off), _MM_HINT_T0);
             const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
             const float dx = xd[b];
             typename H::Prep p;
             H::prep(blk, p);
             const __m256i is = dot_acc<H::SIGNED>(_mm256_setzero_si256(), H::chunk(blk, p, 0), x, ones);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(p.d * dx), acc);
-            if constexpr (H::HAS_MIN) accs += p.dmin * dx * (float)(xs[2 * b] + xs[2 * b + 1]);
-        }
-        return hsum8(acc) - accs;
+            ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(p.d * dx), ac);
+            if constexpr (H::HAS_MIN) as += p.dmin * dx * (float)(xs[2 * b] + xs[2 * b + 1]);
+        };
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) { block(b, acc, accs[0], true); block(b + 1, acc2, accs[1], false); }
+        if (b < nb) block(b, acc, accs[0], true);
+        return hsum8(_mm256_add_ps(acc, acc2)) - (accs[0] + accs[1]);
       }
     } else {
         typename H::Prep pn;
