@@ -13,11 +13,13 @@ Maths (float32 whatever the input dtype; one rounding to the input dtype at the 
         before the norm, as in the reference.
     qk_norm_rope: per-head RMSNorm (optional) then NEOX RoPE with the reference's float32
         ``inv_freq``/angle arithmetic.
-    attention: per (batch, token, KV head) the G query heads of that group; scores, softmax
-        (max-subtracted, exact, not online) and P*V in float32 over the keys ``0..position``
-        only; only the live prefix ``0..max(positions)`` of the cache is read (and converted,
-        for f16/bf16 caches). ``impl`` (eager/flash) is an accuracy/memory choice of the
-        references; this kernel gives the exact softmax for all of them.
+    attention: decode-sized calls (T < 8): per (batch, token, KV head) the G query heads of
+        that group, loops over the keys ``0..position``; prompts: per (batch, KV head, tile of
+        ~32 tokens) two float32 BLAS GEMMs (``at::mm``) over the keys up to the tile's last
+        position, masked per row at its own position. Both: exact max-subtracted softmax (not
+        online) and P*V in float32; only the live prefix ``0..max(positions)`` of the cache is
+        read (and converted, for f16/bf16 caches). ``impl`` (eager/flash) is an
+        accuracy/memory choice of the references; this kernel gives the exact softmax for all.
     moe_route: torch's float32 softmax, then top-k by a partial sort with ties to the lower
         expert index and the optional renormalization in C++.
 
