@@ -428,6 +428,9 @@ bool packed_ok(const at::Tensor& w, c10::string_view qtype, int64_t K, int64_t* 
 
 bool isa_forced() { return env_set("HANZO_CPU_ISA"); }
 
+// [..., K] -> [M, K] as the Python wrappers do it (2-D inputs as they are).
+at::Tensor as_2d(const at::Tensor& x) { return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)}); }
+
 at::Tensor to_act(const at::Tensor& y, const at::Tensor& x, int64_t N) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
     shape.push_back(N);
@@ -440,7 +443,7 @@ at::Tensor mul_mat_cpu(const at::Tensor& x, const at::Tensor& w, c10::string_vie
     if (!on(F_MUL_MAT) || env_set("HANZO_MUL_MAT_FALLBACK") || isa_forced() || !is_act(x) || x.dim() < 1 ||
         !packed_ok(w, qtype, x.size(-1), &tid))
         return call_body<at::Tensor>("mul_mat", x, w, std::string(qtype));
-    at::Tensor y = mul_mat(x.reshape({-1, x.size(-1)}), w, tid, st().isa, st().mv_max);
+    at::Tensor y = mul_mat(as_2d(x), w, tid, st().isa, st().mv_max);
     return to_act(y, x, w.size(0));
 }
 
@@ -451,7 +454,7 @@ at::Tensor swiglu_mul_mat_cpu(const at::Tensor& x, const at::Tensor& wg, const a
         !packed_ok(wg, qg, x.size(-1), &tg) || !packed_ok(wu, qu, x.size(-1), &tu) || wg.size(0) != wu.size(0))
         return call_body<at::Tensor>("swiglu_mul_mat", x, wg, wu, std::string(qg), std::string(qu));
     const auto d = x.scalar_type();
-    at::Tensor y = swiglu_mul_mat(x.reshape({-1, x.size(-1)}), wg, wu, tg, tu, st().isa, st().mv_max,
+    at::Tensor y = swiglu_mul_mat(as_2d(x), wg, wu, tg, tu, st().isa, st().mv_max,
                                   d == at::kBFloat16 ? 1 : d == at::kHalf ? 2 : 0);
     return to_act(y, x, wg.size(0));
 }
