@@ -27,9 +27,8 @@ import sys
 import time
 from collections import Counter
 
+import hanzo_torch  # first: it bounds libgomp's spin before torch loads it, as the CLI does (see its __init__)
 import torch
-
-import hanzo_torch
 from hanzo_torch.ops import cpu as hcpu
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/hanzo-torch/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
@@ -145,6 +144,7 @@ def main() -> None:
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     print(f"cpu: {cpu}; threads={args.threads}; hanzo isa={hcpu.ISA_NAMES[hcpu.default_isa()]}; "
           f"mul_mat fallback={os.environ.get('HANZO_MUL_MAT_FALLBACK', '0')}; "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}; "
           + "; ".join(f"{e.name} {getattr(e, 'version', hanzo_torch.__version__)}" for e in engines))
     g = torch.Generator().manual_seed(0)
     res: dict[tuple[str, str], list[float]] = {}

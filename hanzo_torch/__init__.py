@@ -8,7 +8,20 @@ Public API:
     ops:       ``torch.ops.hanzo.*`` (registered on import of :mod:`hanzo_torch.ops`)
     models:    :func:`load`, :func:`generate`, :func:`stream_generate`, :class:`Tokenizer`, :func:`pull`
 """
-from .formats import FORMATS, QUANTIZED_FORMATS, Format, dequantize, get_format, quantize  # noqa: F401
+import os as _os
+import sys as _sys
+
+# CPU threads (torch's OpenMP pool, which the C++ kernels share): libgomp's default keeps an idle
+# thread spinning for ~300,000 iterations (milliseconds) before it sleeps. On a machine whose
+# cores are busy with other processes, the spinning threads take the cores from the ones doing
+# the work, and a 2-thread decode step measured 7-20x slower (benchmarks/RESULTS.md); sleeping
+# at once (OMP_WAIT_POLICY=passive) costs ~50% on an idle machine. A bounded spin keeps both.
+# libgomp reads the variable when torch loads it, so this only applies when hanzo_torch is
+# imported before torch (as by the hanzo-torch command), and never overrides a value you set.
+if "torch" not in _sys.modules and "GOMP_SPINCOUNT" not in _os.environ and "OMP_WAIT_POLICY" not in _os.environ:
+    _os.environ["GOMP_SPINCOUNT"] = "20000"
+
+from .formats import FORMATS, QUANTIZED_FORMATS, Format, dequantize, get_format, quantize  # noqa: F401,E402
 from .formats.q8_1 import quantize_q8_1, dequantize_q8_1  # noqa: F401
 from .gguf_file import GGUFError, GGUFFile, save_gguf  # noqa: F401
 from .tensor import GGUFTensor  # noqa: F401
