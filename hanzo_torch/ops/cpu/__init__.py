@@ -3,8 +3,8 @@
 Importing this package only registers the kernels with :mod:`hanzo_torch.ops._common` (cheap);
 the extension is compiled on the FIRST call of a kernel with ``torch.utils.cpp_extension.load``
 (ninja, about 1-2 minutes on 2 cores) and cached in ``~/.cache/hanzo-torch/ext/<hash>`` keyed by
-a hash of the sources, the torch version and the compiler, so later processes load it in well
-under a second. ``python -m hanzo_torch.ops.cpu`` builds it ahead of time.
+a hash of the sources, their folder, the torch version and install folder, and the compiler, so
+later processes load it in well under a second. ``python -m hanzo_torch.ops.cpu`` builds it ahead of time.
 
 If no compiler is available or the build fails, one warning is issued and the vectorized-torch
 references run instead (the answers are the same up to the documented tolerance).
@@ -85,6 +85,10 @@ def _source_hash() -> str:
         h.update((_SRC_DIR / name).read_bytes())
     h.update(torch.__version__.encode())
     h.update(os.environ.get("CXX", "c++").encode())
+    # ninja's commands name the source and torch include folders: another checkout or venv of the
+    # same sources gets its own build folder (a shared one would rebuild silently on every switch)
+    h.update(str(_SRC_DIR).encode())
+    h.update(str(Path(torch.__file__).resolve().parent).encode())
     return h.hexdigest()[:16]
 
 
