@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Optional
 
 __all__ = ["register_kernel", "kernel_for", "fallback_enabled", "registered_kernels", "on_kernels_changed", "picks"]
 
+
 class _KernelTable(dict):
     """``(op, device_type) -> [(qtypes or None, fn), ...]`` that tells its listeners of every change.
 
@@ -85,15 +86,14 @@ def picks(op: str, device_type: str, fn: Callable, qtypes: Iterable[Optional[str
     """True when :func:`kernel_for` (ignoring ``HANZO_<OP>_FALLBACK``) returns ``fn`` for every format
     in ``qtypes`` (``None``: an op without formats)."""
     entries = _KERNELS.get((op, device_type)) or ()
-    for qtype in qtypes:
-        for qts, f in entries:
-            if qts is None or qtype is None or qtype.upper() in qts:
-                if f is not fn:
-                    return False
-                break
-        else:
-            return False
-    return True
+    return all(_first_match(entries, qtype) is fn for qtype in qtypes)
+
+
+def _first_match(entries, qtype: Optional[str]) -> Optional[Callable]:
+    for qtypes, fn in entries:
+        if qtypes is None or qtype is None or qtype.upper() in qtypes:
+            return fn
+    return None
 
 
 def kernel_for(op: str, device_type: str, qtype: Optional[str] = None) -> Optional[Callable]:
@@ -101,10 +101,7 @@ def kernel_for(op: str, device_type: str, qtype: Optional[str] = None) -> Option
     entries = _KERNELS.get((op, device_type))
     if not entries or fallback_enabled(op):
         return None
-    for qtypes, fn in entries:
-        if qtypes is None or qtype is None or qtype.upper() in qtypes:
-            return fn
-    return None
+    return _first_match(entries, qtype)
 
 
 def registered_kernels() -> dict[tuple[str, str], list[Optional[frozenset]]]:
