@@ -8,14 +8,14 @@ quantized activation").
 
 Dispatch follows docs/ARCHITECTURE.md: the op body asks
 :func:`hanzo_torch.ops._common.kernel_for` for a kernel registered for the input's device type
-that handles *both* formats (Triton on CUDA/ROCm: :mod:`hanzo_torch.ops.triton.ffn`), else it
-runs :func:`swiglu_mul_mat_reference`, the unfused composition of ``hanzo::mul_mat`` (twice) and
-``hanzo::swiglu`` — which on the CPU runs the C++ mul_mat and swiglu kernels.
+that handles *both* formats (Triton on CUDA/ROCm: :mod:`hanzo_torch.ops.triton.ffn`; C++ on the
+CPU for the 22 quantized formats), else it runs :func:`swiglu_mul_mat_reference`, the unfused
+composition of ``hanzo::mul_mat`` (twice) and ``hanzo::swiglu``.
 ``HANZO_SWIGLU_MUL_MAT_FALLBACK=1`` forces the reference.
 
-CPU note: the C++ ``mul_mat`` quantizes its activation to int8 internally and has no entry
-point taking an already-quantized activation, so the CPU backend cannot share one q8_1
-activation between the two weights without a csrc change; the CPU runs the composition.
+CPU: ``hanzo_torch.ops.cpu.swiglu_mul_mat`` (csrc/cpu/ops.cpp) quantizes x once per block size
+and computes each thread's range of gate rows, up rows and the epilogue in one parallel region,
+bit-identical to the composition of the C++ ``mul_mat`` and ``swiglu`` kernels.
 """
 from __future__ import annotations
 
