@@ -34,6 +34,28 @@ template <class T> struct GemmMinRatio { static constexpr int value = 0; };
 template <> struct GemmMinRatio<FQ6_K> { static constexpr int value = 32; };  // unsigned q6, min 32 * sc, dmin = 32 * d
 template <> struct GemmMinRatio<FQ3_K> { static constexpr int value = 1; };   // min 4 * sc, dmin = d
 
+// The integer part of one MR x NR register tile: is[m][r] = the int32 dot products of weight
+// block b of tile row r (unpacked in qbuf, its per-16 scales in sbuf) with activation rows xq[m],
+// chunk by 32-value chunk. Shared by both GEMM variants; always inlined into their loops.
+template <class T, int MR, int NR>
+static inline __attribute__((always_inline)) void gemm_int_tile(__m256i (&is)[MR][NR], const int8_t* const (&xq)[MR],
+                                                                int64_t b, const __m256i* qbuf, const __m256i* sbuf,
+                                                                int64_t KB, __m256i ones) {
+    constexpr int NC = T::QK / 32;
+    constexpr bool K256 = T::QK != 32;
+    for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < NR; ++r) is[m][r] = _mm256_setzero_si256();
+    for (int c = 0; c < NC; ++c) {
+        __m256i x[MR];
+        for (int m = 0; m < MR; ++m) x[m] = _mm256_loadu_si256((const __m256i*)(xq[m] + b * T::QK + 32 * c));
+        for (int r = 0; r < NR; ++r) {
+            const __m256i q = qbuf[(r * KB + b) * NC + c];
+            const __m256i s = K256 ? sbuf[(r * KB + b) * NC + c] : ones;
+            for (int m = 0; m < MR; ++m) is[m][r] = dot_acc<Hooks<T>::SIGNED>(is[m][r], q, x[m], s);
+        }
+    }
+}
+
 template <class T>
 static void gemm_simd_rows(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
                       float* y, int64_t ldy) {
@@ -87,17 +109,7 @@ static void gemm_simd_rows(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1,
                         for (int r = 0; r < NR; ++r) { acc[m][r] = _mm256_setzero_ps(); accs[m][r] = 0.f; }
                     for (int64_t b = 0; b < kb; ++b) {
                         __m256i is[MR][NR];
-                        for (int m = 0; m < MR; ++m)
-                            for (int r = 0; r < NR; ++r) is[m][r] = _mm256_setzero_si256();
-                        for (int c = 0; c < NC; ++c) {
-                            __m256i x[MR];
-                            for (int m = 0; m < MR; ++m) x[m] = _mm256_loadu_si256((const __m256i*)(xq[m] + b * T::QK + 32 * c));
-                            for (int r = 0; r < NR; ++r) {
-                                __m256i q = qbuf[(r * KB + b) * NC + c];
-                                __m256i s = K256 ? sbuf[(r * KB + b) * NC + c] : ones;
-                                for (int m = 0; m < MR; ++m) is[m][r] = dot_acc<H::SIGNED>(is[m][r], q, x[m], s);
-                            }
-                        }
+                        gemm_int_tile<T, MR, NR>(is, xq, b, qbuf, sbuf, KB, ones);
                         for (int m = 0; m < MR; ++m) {
                             const float dx = xd[m][b];
                             for (int r = 0; r < NR; ++r) {
@@ -187,17 +199,7 @@ static void gemm_simd_pairs(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1
                     }
                     for (int64_t b = 0; b < kb; ++b) {
                         __m256i is[MR][NR];
-                        for (int m = 0; m < MR; ++m)
-                            for (int r = 0; r < NR; ++r) is[m][r] = _mm256_setzero_si256();
-                        for (int c = 0; c < NC; ++c) {
-                            __m256i x[MR];
-                            for (int m = 0; m < MR; ++m) x[m] = _mm256_loadu_si256((const __m256i*)(xq[m] + b * T::QK + 32 * c));
-                            for (int r = 0; r < NR; ++r) {
-                                __m256i q = qbuf[(r * KB + b) * NC + c];
-                                __m256i s = K256 ? sbuf[(r * KB + b) * NC + c] : ones;
-                                for (int m = 0; m < MR; ++m) is[m][r] = dot_acc<H::SIGNED>(is[m][r], q, x[m], s);
-                            }
-                        }
+                        gemm_int_tile<T, MR, NR>(is, xq, b, qbuf, sbuf, KB, ones);
                         for (int m = 0; m < MR; ++m) {
                             const __m256 dx = _mm256_broadcast_ss(xd[m] + b);
                             if constexpr (RATIO != 0) {  // is -= RATIO * sum_g mn_g * xs_g (exact)
