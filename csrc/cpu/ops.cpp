@@ -95,30 +95,48 @@ QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
     return r;
 }
 
-// Rows of W are split over threads in chunks taken from a shared counter (dynamic schedule):
-// on a loaded machine a descheduled thread delays only its current chunk, not half the op.
+// Rows of a weight are split over threads in chunks taken from a shared counter (dynamic
+// schedule): on a loaded machine a descheduled thread delays only its current chunk, not half the
+// op. A chunk is ~32 KiB of weights (mat-vec) or 16 GEMM tiles of `tile` rows, at least 4 per thread.
+struct RowSplit {
+    int64_t tile, ntiles, nth, chunk;
+    bool serial;  // small op: one thread, no wake-ups
+    RowSplit(int64_t N, int64_t rb, bool mv, int64_t gemm_nr) {
+        tile = mv ? 1 : gemm_nr;
+        ntiles = (N + tile - 1) / tile;
+        nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
+        chunk = mv ? std::max<int64_t>(1, 32768 / std::max<int64_t>(rb, 1)) : 16;
+        chunk = std::max<int64_t>(1, std::min<int64_t>(chunk, ntiles / (4 * nth)));
+        serial = nth == 1 || ntiles * rb * tile < 65536;
+    }
+    // body(n0, n1) over row ranges of at most chunk * tile rows, N rows in all.
+    template <class F>
+    void run(int64_t N, const F& body) const {
+        if (serial) {
+            for (int64_t t0 = 0; t0 < ntiles; t0 += chunk) body(t0 * tile, std::min(N, (t0 + chunk) * tile));
+            return;
+        }
+        std::atomic<int64_t> next{0};
+        at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
+            for (;;) {
+                const int64_t t0 = next.fetch_add(chunk);
+                if (t0 >= ntiles) break;
+                body(t0 * tile, std::min(N, (t0 + chunk) * tile));
+            }
+        });
+    }
+};
+
 void run_matmul(const HzFormatKernels& fk, const uint8_t* W, int64_t rb, int64_t N, const HzAct& a, int64_t M,
                 float* y, int64_t ldy, int64_t mv_max) {
     const bool mv = M <= mv_max;
     hz_matmul_fn fn = mv ? fk.matvec : fk.gemm;
-    const int64_t tile = mv ? 1 : fk.gemm_nr;  // the GEMM works on NR weight rows at a time
-    const int64_t ntiles = (N + tile - 1) / tile;
-    const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
-    // Chunk: ~32 KiB of weights (mat-vec) or 16 row pairs (GEMM), and at least 4 chunks per thread.
-    int64_t chunk = mv ? std::max<int64_t>(1, 32768 / std::max<int64_t>(rb, 1)) : 16;
-    chunk = std::max<int64_t>(1, std::min<int64_t>(chunk, ntiles / (4 * nth)));
-    if (nth == 1 || ntiles * rb * tile < 65536) {  // small op: no thread wake-ups
+    const RowSplit split(N, rb, mv, fk.gemm_nr);
+    if (split.serial) {
         fn(W, rb, 0, N, &a, M, y, ldy);
         return;
     }
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
-        for (;;) {
-            const int64_t t0 = next.fetch_add(chunk);
-            if (t0 >= ntiles) break;
-            fn(W, rb, t0 * tile, std::min(N, (t0 + chunk) * tile), &a, M, y, ldy);
-        }
-    });
+    split.run(N, [&](int64_t n0, int64_t n1) { fn(W, rb, n0, n1, &a, M, y, ldy); });
 }
 
 torch::Tensor check_x(const torch::Tensor& x, int64_t K_expected, const char* op) {
@@ -190,19 +208,18 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
     const HzAct& au = share ? qg.view : qu_own.view;
     const bool mv = M <= mv_max;
     hz_matmul_fn fng = mv ? fg.matvec : fg.gemm, fnu = mv ? fu.matvec : fu.gemm;
-    const int64_t tile = mv ? 1 : std::max<int64_t>(fg.gemm_nr, fu.gemm_nr);
-    const int64_t ntiles = (F + tile - 1) / tile;
-    const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
-    const int64_t rb = rbg + rbu;
-    int64_t chunk = mv ? std::max<int64_t>(1, 32768 / rb) : 16;
-    chunk = std::max<int64_t>(1, std::min<int64_t>(chunk, ntiles / (4 * nth)));
+    const RowSplit split(F, rbg + rbu, mv, std::max<int64_t>(fg.gemm_nr, fu.gemm_nr));
+    const int64_t cols = std::min(F, split.chunk * split.tile);  // rows of one task at most
     const uint8_t* pg = wg.data_ptr<uint8_t>();
     const uint8_t* pu = wu.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
-    auto task = [&](int64_t n0, int64_t n1, float* gbuf, float* ubuf) {
+    split.run(F, [&](int64_t n0, int64_t n1) {
+        thread_local std::vector<float> gbuf, ubuf;  // this task's projections, [M, n1 - n0]
+        gbuf.resize(M * cols);
+        ubuf.resize(M * cols);
         const int64_t w = n1 - n0;
-        fng(pg + n0 * rbg, rbg, 0, w, &qg.view, M, gbuf, w);
-        fnu(pu + n0 * rbu, rbu, 0, w, &au, M, ubuf, w);
+        fng(pg + n0 * rbg, rbg, 0, w, &qg.view, M, gbuf.data(), w);
+        fnu(pu + n0 * rbu, rbu, 0, w, &au, M, ubuf.data(), w);
         for (int64_t m = 0; m < M; ++m)
             for (int64_t j = 0; j < w; ++j) {
                 float a = gbuf[m * w + j], u = ubuf[m * w + j];
@@ -210,21 +227,6 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
                 else if (round_to == 2) { a = (float)c10::Half(a); u = (float)c10::Half(u); }
                 yp[m * F + n0 + j] = a / (1.0f + std::exp(-a)) * u;
             }
-    };
-    const int64_t cols = std::min(F, chunk * tile);
-    if (nth == 1 || ntiles * rb * tile < 65536) {
-        std::vector<float> gb(M * cols), ub(M * cols);
-        for (int64_t n0 = 0; n0 < F; n0 += cols) task(n0, std::min(F, n0 + cols), gb.data(), ub.data());
-        return y;
-    }
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
-        std::vector<float> gb(M * cols), ub(M * cols);
-        for (;;) {
-            const int64_t t0 = next.fetch_add(chunk);
-            if (t0 >= ntiles) break;
-            task(t0 * tile, std::min(F, (t0 + chunk) * tile), gb.data(), ub.data());
-        }
     });
     return y;
 }
