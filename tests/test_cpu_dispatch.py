@@ -148,3 +148,25 @@ def test_a_kernel_registered_later_is_the_one_that_runs():
         _common._KERNELS.clear()
         _common._KERNELS.update(table)
     assert torch.equal(ops.mul_mat(x, w, "Q4_K"), hcpu.mul_mat(x, w, "Q4_K")) and calls == ["Q4_K"]
+
+
+def test_kv_cache_write_bumps_the_caches_versions():
+    """The C++ ADInplaceOrView kernel of kv_cache_write bumps the mutated caches' version counters,
+    as the custom op's own did: autograd still sees the in-place write."""
+    kc, vc = torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2)
+    v0, w0 = kc._version, vc._version
+    with torch.no_grad():
+        ops.kv_cache_write(kc, vc, torch.ones(1, 1, 1, 2), torch.full((1, 1, 1, 2), 2.0), torch.tensor([[1]]))
+    assert (kc._version, vc._version) == (v0 + 1, w0 + 1)
+    assert kc[0, 1, 0].tolist() == [1.0, 1.0] and vc[0, 1, 0].tolist() == [2.0, 2.0]
+    s = torch.ones(4, requires_grad=True)
+    t = s.exp()  # exp saves its output for the backward
+    with torch.no_grad():
+        ops.kv_cache_write(t.view(1, 4, 1, 1), torch.zeros(1, 4, 1, 1), torch.zeros(1, 1, 1, 1),
+                           torch.zeros(1, 1, 1, 1), torch.tensor([[0]]))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        t.sum().backward()
+    with torch.inference_mode():  # inference tensors have no version counter
+        ki, vi = torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2)
+        ops.kv_cache_write(ki, vi, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), torch.tensor([[3]]))
+        assert ki[0, 3, 0].tolist() == [1.0, 1.0]

@@ -553,6 +553,23 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& kc, const at::Te
     return op.call(q, kc, vc, pos, scale);
 }
 
+// The version-counter bump of kv_cache_write's mutated caches (ADInplaceOrView key), in C++: the
+// custom op's own is Python (~50 us a call on the model's KV caches, which are normal tensors so
+// that no_grad calls may write them). Same steps: bump k_cache's and v_cache's versions (inference
+// tensors have none), then redispatch below ADInplaceOrView. Used for every device.
+void kv_cache_write_adinplace(c10::DispatchKeySet ks, at::Tensor& kc, at::Tensor& vc, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& pos) {
+    for (const at::Tensor* t : {&kc, &vc})
+        if (!t->is_inference()) torch::autograd::impl::bump_version(*t);
+    using Sig = void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+    static auto op = cpu_op<Sig>("hanzo::kv_cache_write");
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, kc, vc, k, v, pos);
+}
+
+struct QuietWarnings : c10::WarningHandler {
+    void process(const c10::Warning&) override {}
+};
+
 // bodies: {op name: Python body}; qtypes: {ggml name: type id}. Registers a C++ CPU kernel for
 // each op in bodies (once per process; later calls update the state only). Returns the ops
 // registered now.
@@ -572,7 +589,16 @@ std::vector<std::string> register_fast_paths(py::dict bodies, py::dict qtypes, i
         else if (name == "rms_norm") s.lib->impl("rms_norm", TORCH_FN(rms_norm_cpu));
         else if (name == "add_rms_norm") s.lib->impl("add_rms_norm", TORCH_FN(add_rms_norm_cpu));
         else if (name == "qk_norm_rope") s.lib->impl("qk_norm_rope", TORCH_FN(qk_norm_rope_cpu));
-        else if (name == "kv_cache_write") s.lib->impl("kv_cache_write", TORCH_FN(kv_cache_write_cpu));
+        else if (name == "kv_cache_write") {
+            s.lib->impl("kv_cache_write", TORCH_FN(kv_cache_write_cpu));
+            // replaces the custom op's Python ADInplaceOrView kernel (silently: the dispatcher
+            // would warn about overriding it)
+            QuietWarnings quiet;
+            c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+            static torch::Library* adiov = new torch::Library(torch::Library::IMPL, "hanzo",
+                                                              c10::DispatchKey::ADInplaceOrView, __FILE__, __LINE__);
+            adiov->impl("kv_cache_write", TORCH_FN(kv_cache_write_adinplace));
+        }
         else if (name == "attention") s.lib->impl("attention", TORCH_FN(attention_cpu));
         else continue;
         done.push_back(name);
