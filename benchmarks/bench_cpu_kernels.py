@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--median", action="store_true", help="median instead of min over repetitions")
     ap.add_argument("--rounds", type=int, default=3, help="bandwidth + mat-vec rounds (median and range reported)")
     ap.add_argument("--prefetch", type=int, default=None, help="mat-vec software prefetch distance, bytes")
+    ap.add_argument("--chunk", type=int, default=None, help="mat-vec task size of the row split, bytes (default 256 KiB)")
     args = ap.parse_args()
     global STAT
     STAT = statistics.median if args.median else min
@@ -104,6 +105,8 @@ def main() -> None:
     N, K = (int(v) for v in args.shape.split(","))
     if args.prefetch is not None:
         ext.set_prefetch_bytes(args.prefetch)
+    if args.chunk is not None:
+        ext.set_matvec_chunk_bytes(args.chunk)
     fmts = args.formats.split(",")
     runners = {q: matvec_runner(q, N, K, isa, 128e6) for q in fmts}
     bws, res = [], {q: [] for q in fmts}

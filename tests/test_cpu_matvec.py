@@ -70,3 +70,27 @@ def test_decode_extreme_values(ext, qtype):
             for m in range(3):
                 y = hcpu.mul_mat(x[m:m + 1], w, qtype, isa=isa, mv_max_rows=8)
                 assert_tight(y, x_hat[m:m + 1], wf, f"{qtype}/{isa}/byte={byte:#x}/x{m}")
+
+
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q8_0"))
+def test_decode_independent_of_task_split(ext, qtype):
+    """The mat-vec's dynamic row split (RowSplit, ~256 KiB tasks) only partitions rows: tasks of
+    one row each, or the default size, give bit-identical outputs, with 1 and 2 threads."""
+    K, N = 2 * 256, 700  # > 64 KiB of weights, so the split is not serial
+    w = random_blocks(qtype, N, K, seed=3)
+    x = torch.randn(1, K)
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for chunk in (1, 262144):
+                ext.set_matvec_chunk_bytes(chunk, 1)
+                outs.append(hcpu.mul_mat(x, w, qtype, mv_max_rows=8))
+    finally:
+        ext.set_matvec_chunk_bytes(262144, 4)
+        torch.set_num_threads(old)
+    wf = gguf_dequant(qtype, w, K)
+    assert_tight(outs[0], act_dequant(ext, x, qa_of(qtype)), wf, f"{qtype}/split")
+    for y in outs[1:]:
+        assert torch.equal(y, outs[0])
