@@ -149,10 +149,11 @@ def test_a_real_bug_exceeds_the_tolerance(ext):
     K, N = 512, 4
     w = random_blocks("Q4_K", N, K, seed=4)
     wf = gguf_dequant("Q4_K", w, K).double()
-    x = torch.randn(1, K)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(4))
+    x[0, 5] = 2.0  # the corrupted weight's activation is not ~0 (the test does not hang on the RNG)
     x_hat = act_dequant(ext, x, 256)
     bad = w.clone()
-    bad[0, 16 + 5] ^= 0x0F  # a 4-bit weight flipped, as an unpack bug would do
+    bad[0, 16 + 5] ^= 0x0F  # a 4-bit weight (value 5: low nibble of qs[5]) flipped, as an unpack bug would do
     y = hcpu.mul_mat(x, bad, "Q4_K").double()
     ref = x_hat @ wf.T
     tol = 1e-5 * (x_hat.abs() @ wf.abs().T)

@@ -144,6 +144,12 @@ static inline __m256i nibbles_lohi(__m128i v) {  // 16 bytes -> 32 nibbles: low 
     const __m128i m4 = _mm_set1_epi8(15);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
 }
+// The same from memory: one 128-bit broadcast load, the high lane shifted by 4 (vpsrlvd), one
+// mask: 2 vector ops instead of 4 (shift, 2 masks, lane insert).
+static inline __m256i nibbles_lohi_mem(const uint8_t* p) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
+}
 static inline __m256i bits_to_bytes(uint32_t bits, int value) {  // byte i = (bit i of bits) ? value : 0
     __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
                                     _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -262,6 +268,7 @@ template <> struct Hooks<FQ8_0> {
     static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 0.f; }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
     static constexpr bool S8 = true, Q_MIN128 = true;
+    static constexpr bool D16 = true;  // f16 d at byte 0 (dval4 converts 4 at once)
     static constexpr int U_OFF = 0;
     static inline float dval(const uint8_t* b) { return f16c(b); }
     static inline __m256i qs8(const uint8_t* b) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
@@ -270,8 +277,9 @@ template <> struct Hooks<FQ4_0> {
     static constexpr bool SIGNED = false, HAS_MIN = true;
     typedef Prep32 Prep;
     static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 8.f * p.d; }
-    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 2))); }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi_mem(b + 2); }
     static constexpr bool S8 = true, Q_MIN128 = false;
+    static constexpr bool D16 = true;  // f16 d at byte 0 (dval4 converts 4 at once)
     static constexpr int U_OFF = 8;
     static inline float dval(const uint8_t* b) { return f16c(b); }
 };
@@ -280,9 +288,10 @@ template <> struct Hooks<FQ5_0> {
     typedef Prep32 Prep;
     static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 16.f * p.d; }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
-        return _mm256_or_si256(nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 6))), bits_to_bytes(rd_u32(b + 2), 16));
+        return _mm256_or_si256(nibbles_lohi_mem(b + 6), bits_to_bytes(rd_u32(b + 2), 16));
     }
     static constexpr bool S8 = true, Q_MIN128 = false;
+    static constexpr bool D16 = true;  // f16 d at byte 0 (dval4 converts 4 at once)
     static constexpr int U_OFF = 16;
     static inline float dval(const uint8_t* b) { return f16c(b); }
 };
@@ -291,7 +300,7 @@ template <> struct Hooks<FQ4_1> {  // value = d * nibble + m: min term with dmin
     static constexpr int U_OFF = 0;
     typedef Prep32 Prep;
     static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = -f16c(b + 2); }
-    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 4))); }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi_mem(b + 4); }
 };
 template <> struct Hooks<FQ5_1> {  // value = d * (nibble | bit << 4) + m
     static constexpr bool SIGNED = false, HAS_MIN = true, S8 = false, Q_MIN128 = false;
@@ -299,7 +308,7 @@ template <> struct Hooks<FQ5_1> {  // value = d * (nibble | bit << 4) + m
     typedef Prep32 Prep;
     static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = -f16c(b + 2); }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
-        return _mm256_or_si256(nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 8))), bits_to_bytes(rd_u32(b + 4), 16));
+        return _mm256_or_si256(nibbles_lohi_mem(b + 8), bits_to_bytes(rd_u32(b + 4), 16));
     }
 };
 template <> struct Hooks<FIQ4_NL> {
@@ -308,9 +317,10 @@ template <> struct Hooks<FIQ4_NL> {
     static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 0.f; }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
         const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_iq4nl_));
-        return _mm256_shuffle_epi8(tab, nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 2))));
+        return _mm256_shuffle_epi8(tab, nibbles_lohi_mem(b + 2));
     }
     static constexpr bool S8 = true, Q_MIN128 = false;
+    static constexpr bool D16 = true;  // f16 d at byte 0 (dval4 converts 4 at once)
     static constexpr int U_OFF = 0;
     static inline float dval(const uint8_t* b) { return f16c(b); }
     static inline __m256i qs8(const uint8_t* b) { return chunk(b, Prep(), 0); }
@@ -326,9 +336,10 @@ template <> struct Hooks<FMXFP4> {
     }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
         const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_mxfp4_));
-        return _mm256_shuffle_epi8(tab, nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 1))));
+        return _mm256_shuffle_epi8(tab, nibbles_lohi_mem(b + 1));
     }
     static constexpr bool S8 = true, Q_MIN128 = false;
+    static constexpr bool D16 = false;
     static constexpr int U_OFF = 0;
     static inline float dval(const uint8_t* b) { Prep p; prep(b, p); return p.d; }
     static inline __m256i qs8(const uint8_t* b) { return chunk(b, Prep(), 0); }
@@ -347,7 +358,7 @@ template <> struct Hooks<FIQ4_XS> {
     }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
         const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_iq4nl_));
-        return _mm256_shuffle_epi8(tab, nibbles_lohi(_mm_loadu_si128((const __m128i*)(b + 8 + 16 * c))));
+        return _mm256_shuffle_epi8(tab, nibbles_lohi_mem(b + 8 + 16 * c));
     }
 };
 template <> struct Hooks<FQ2_K> {  // scales[16]: low nibble scale, high nibble min | qs[64] 2-bit | d | dmin

@@ -4,10 +4,24 @@
 // One activation row (M == 1, the decode case), one weight row at a time (two interleaved rows
 // measured no faster for Q4_0 and 30% slower for Q8_0 from DRAM, and spill registers for the
 // K-quants). 32-value formats with signed integers (Hooks::S8) need no min term: Q4_0/Q5_0 dot
-// maddubs(q, x) - maddubs(off, x), the others |x| * sign(q, x) (Q8_0: |q| * sign(x, q), as q can
-// be -128); two blocks per iteration go to two accumulators so the float fix-ups are not one
-// fmadd chain. K-quants: scales by immediate vpshufd (scale_q), the min folded into int32 when
-// dmin = 2^k d (Q6_K, Q3_K), d and dmin converted together (Q4_K, Q5_K).
+// maddubs(q, x) with off * sum(x) subtracted per 4 blocks, the others |x| * sign(q, x) (Q8_0:
+// |q| * sign(x, q), as q can be -128); 4 blocks per step share one float fix-up (see the loop;
+// A/B 1 thread, Zen 3, L2-resident: Q4_0 1.58x, IQ4_NL 1.40x, Q5_0 1.31x, Q8_0 1.19x).
+// K-quants: scales by immediate vpshufd (scale_q), the min folded into int32 when dmin = 2^k d
+// (Q6_K, Q3_K), d and dmin converted together (Q4_K, Q5_K).
+// Scales of 4 consecutive blocks (S8 formats), as floats.
+template <class T>
+static inline __m128 dval4(const uint8_t* b) {
+    typedef Hooks<T> H;
+    if constexpr (H::D16) {
+        const uint64_t h = (uint64_t)rd_u16(b) | (uint64_t)rd_u16(b + T::BYTES) << 16 |
+                           (uint64_t)rd_u16(b + 2 * T::BYTES) << 32 | (uint64_t)rd_u16(b + 3 * T::BYTES) << 48;
+        return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)h));
+    } else {
+        return _mm_setr_ps(H::dval(b), H::dval(b + T::BYTES), H::dval(b + 2 * T::BYTES), H::dval(b + 3 * T::BYTES));
+    }
+}
+
 template <class T>
 static inline float matvec_row(const uint8_t* row, const HzAct* a, int64_t m) {
     typedef Hooks<T> H;
@@ -17,27 +31,45 @@ static inline float matvec_row(const uint8_t* row, const HzAct* a, int64_t m) {
     __m256 acc = _mm256_setzero_ps();
     if constexpr (T::QK == 32) {
       if constexpr (H::S8) {
-        __m256 acc2 = _mm256_setzero_ps();
-        auto block = [&](int64_t b, __m256& ac, bool pf) {
-            const uint8_t* blk = row + b * T::BYTES;
-            if (pf)  // once per block pair (2 * BYTES <= 68 bytes)
-                for (int off = 0; off < 2 * T::BYTES; off += 64) _mm_prefetch((const char*)(blk + hz_prefetch_bytes + off), _MM_HINT_T0);
+        // Four blocks per step: their int32 dot vectors fold (unpack + add) into one vector that
+        // holds, in each 128-bit lane, a partial sum of each of the 4 blocks, so one conversion and
+        // one fmadd with the 4 scales d_w * d_x (dval4, in both lanes) replace four of each.
+        // off_later: Q4_0/Q5_0 dot q * x only; the 4-block step subtracts off * sum(x) per block
+        // in int32 from the activation's sums per 16 (xs), a quarter of the work of maddubs(off, x).
+        auto idot = [&](const uint8_t* blk, int64_t b, bool off_later) -> __m256i {
             const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
             __m256i p;
             if constexpr (H::U_OFF != 0) {  // sum (q - off) x = maddubs(q, x) - maddubs(off, x)
-                p = _mm256_sub_epi16(_mm256_maddubs_epi16(H::chunk(blk, typename H::Prep(), 0), x),
-                                     _mm256_maddubs_epi16(_mm256_set1_epi8((char)H::U_OFF), x));
+                p = _mm256_maddubs_epi16(H::chunk(blk, typename H::Prep(), 0), x);
+                if (!off_later) p = _mm256_sub_epi16(p, _mm256_maddubs_epi16(_mm256_set1_epi8((char)H::U_OFF), x));
             } else {
                 const __m256i q = H::qs8(blk);
                 p = H::Q_MIN128 ? _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q))
                                 : _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(q, x));
             }
-            ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(H::dval(blk) * xd[b]), ac);
+            return _mm256_madd_epi16(p, ones);
         };
         int64_t b = 0;
-        for (; b + 2 <= nb; b += 2) { block(b, acc, true); block(b + 1, acc2, false); }
-        if (b < nb) block(b, acc, true);
-        acc = _mm256_add_ps(acc, acc2);
+        for (; b + 4 <= nb; b += 4) {
+            const uint8_t* blk = row + b * T::BYTES;
+            for (int off = 0; off < 4 * T::BYTES; off += 64) _mm_prefetch((const char*)(blk + hz_prefetch_bytes + off), _MM_HINT_T0);
+            const __m256i v0 = idot(blk, b, true), v1 = idot(blk + T::BYTES, b + 1, true);
+            const __m256i v2 = idot(blk + 2 * T::BYTES, b + 2, true), v3 = idot(blk + 3 * T::BYTES, b + 3, true);
+            const __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(v0, v1), _mm256_unpackhi_epi32(v0, v1));
+            const __m256i t23 = _mm256_add_epi32(_mm256_unpacklo_epi32(v2, v3), _mm256_unpackhi_epi32(v2, v3));
+            __m256i t = _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
+            if constexpr (H::U_OFF != 0) {  // - off * [sum x of blocks b..b+3], in the low lane only
+                static_assert((H::U_OFF & (H::U_OFF - 1)) == 0, "U_OFF must be a power of two");
+                const __m128i sx = _mm_madd_epi16(_mm_loadu_si128((const __m128i*)(xs + 2 * b)), _mm_set1_epi16(1));
+                t = _mm256_sub_epi32(t, _mm256_set_m128i(_mm_setzero_si128(), _mm_slli_epi32(sx, __builtin_ctz(H::U_OFF))));
+            }
+            const __m128 s4 = _mm_mul_ps(dval4<T>(blk), _mm_loadu_ps(xd + b));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set_m128(s4, s4), acc);
+        }
+        for (; b < nb; ++b) {
+            const uint8_t* blk = row + b * T::BYTES;
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot(blk, b, false)), _mm256_set1_ps(H::dval(blk) * xd[b]), acc);
+        }
       } else {  // 32-value formats with a float min (Q4_1, Q5_1): the same two-accumulator loop
         __m256 acc2 = _mm256_setzero_ps();
         float accs[2] = {0.f, 0.f};
