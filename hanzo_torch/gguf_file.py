@@ -609,6 +609,25 @@ class GGUFFile:
             return v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=_ARRAY_TORCH[el])
         return self._lookup(key, default)
 
+    def prefetch(self) -> bool:
+        """Ask the OS to read the whole file into the page cache in the background
+        (``madvise(MADV_WILLNEED)`` on the mapping; llama.cpp does the same at load).
+
+        Pages of the mapping are otherwise read from disk on first touch: the matmul weights are
+        all touched by the first forward, but a token embedding row only when that token first
+        appears, which costs a disk read (~3 ms measured on a 2-core VM) inside a decode step.
+        Returns False (and does nothing) where the platform has no ``madvise`` or the file is
+        closed; never raises for an advisory failure.
+        """
+        mm = self._mmap
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_WILLNEED"):
+            return False
+        try:
+            mm.madvise(mmap.MADV_WILLNEED)
+        except (OSError, ValueError):
+            return False
+        return True
+
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Release the mapping. Tensors already handed out stay valid (they keep it alive);

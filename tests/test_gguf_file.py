@@ -255,6 +255,22 @@ def test_close_keeps_handed_out_tensors_valid(sample_file):
     f.close()  # idempotent
 
 
+def test_prefetch_is_advisory(sample_file):
+    """prefetch() asks for readahead where madvise exists, leaves contents and views untouched,
+    and is a no-op (False) on a closed file."""
+    import mmap
+
+    raw = sample_file.read_bytes()
+    f = GGUFFile(sample_file)
+    t = f.tensors["blk.0.attn_q.weight"]
+    want = t.packed.clone()
+    assert f.prefetch() is (hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_WILLNEED"))
+    assert torch.equal(t.packed, want)
+    f.close()
+    assert f.prefetch() is False
+    assert sample_file.read_bytes() == raw
+
+
 # ---------------------------------------------------------------------- round trip
 
 

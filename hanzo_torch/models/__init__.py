@@ -24,7 +24,8 @@ def load(
     configured from the file's metadata only. The module is built on the meta device and the
     file's tensors are assigned to it: projection and embedding weights stay
     :class:`~hanzo_torch.GGUFTensor` views of the memory-mapped file (on CPU nothing is copied;
-    pages are read on first use), 1-D norm weights and biases are dequantized to ``dtype``. No
+    the OS is asked to read the file into the page cache in the background,
+    :meth:`~hanzo_torch.gguf_file.GGUFFile.prefetch`), 1-D norm weights and biases are dequantized to ``dtype``. No
     full-precision copy of a matrix is ever made.
 
     Args:
@@ -90,6 +91,8 @@ def load(
     if args.tied_embeddings:
         model.output.weight = model.token_embd.weight
     model.gguf = f
+    if device.type == "cpu":
+        f.prefetch()  # embedding rows would otherwise be read from disk inside decode steps
     return model.eval()
 
 
