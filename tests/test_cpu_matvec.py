@@ -98,3 +98,30 @@ def test_decode_independent_of_task_split(ext, qtype):
     assert_tight(outs[0], act_dequant(ext, x, qa_of(qtype)), wf, f"{qtype}/split")
     for y in outs[1:]:
         assert torch.equal(y, outs[0])
+
+
+@pytest.mark.parametrize("T, k", [(1, 8), (3, 2), (48, 2)])
+def test_mul_mat_id_one_parallel_region_matches_per_expert_mul_mat(ext, T, k):
+    """mul_mat_id runs (expert, row range) tasks of all experts in one parallel region; each
+    output row must be bit-identical to mul_mat on that expert's weight alone (mat-vec for few
+    rows per expert, GEMM tiles for T=48), with 1 and 2 threads and tasks of one row or default."""
+    E, N, K = 8, 200, 512  # 56 KiB per expert: the region is parallel (> 64 KiB in all)
+    w = torch.stack([random_blocks("Q4_K", N, K, seed=20 + e) for e in range(E)])
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    x = torch.randn(T, K, generator=g)
+    want = torch.empty(T, k, N)
+    for e in range(E):
+        t, s = (ids == e).nonzero(as_tuple=True)
+        if len(t):
+            want[t, s] = hcpu.mul_mat(x[t], w[e], "Q4_K")
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for chunk in (1, 262144):
+                ext.set_matvec_chunk_bytes(chunk, 1)
+                assert torch.equal(hcpu.mul_mat_id(x, w, ids, "Q4_K"), want), (threads, chunk)
+    finally:
+        ext.set_matvec_chunk_bytes(262144, 4)
+        torch.set_num_threads(old)

@@ -267,23 +267,60 @@ torch::Tensor mul_mat_id(torch::Tensor x, torch::Tensor w, torch::Tensor ids, in
     for (int64_t i = 0; i < T * k; ++i) rows[idp[i]].push_back(i);
     float* o = out.data_ptr<float>();
     const uint8_t* wp = w.data_ptr<uint8_t>();
+    // Each used expert gets its rows' activations gathered and an output buffer; then ONE parallel
+    // region runs tasks (expert, weight-row range) from a shared counter. An op call per expert
+    // (8 per token for a top-8 MoE, small matrices) paid a fork-join each and cut each expert into
+    // at least 4 tasks per thread. Tasks: ~256 KiB of weights (mat-vec) or 16 GEMM tiles.
+    struct Job { int64_t e, c; bool mv; torch::Tensor gq, gd, gs, gsf, gy; HzAct a; };
+    std::vector<Job> jobs;
+    struct Task { int64_t job, n0, n1; };
+    std::vector<Task> tasks;
+    int64_t total_bytes = 0;
     for (int64_t e = 0; e < E; ++e) {
         const auto& r = rows[e];
         if (r.empty()) continue;
-        const int64_t c = (int64_t)r.size();
-        torch::Tensor gq = torch::empty({c, K}, torch::kInt8), gd = torch::empty({c, nbq}, torch::kFloat32),
-                      gs = torch::empty({c, K / 16}, torch::kInt16), gsf = torch::empty({c, K / 16}, torch::kFloat32),
-                      gy = torch::empty({c, N}, torch::kFloat32);
-        for (int64_t j = 0; j < c; ++j) {
-            const int64_t src = kx == 1 ? r[j] / k : r[j];
-            memcpy(gq.data_ptr<int8_t>() + j * K, qa.view.q + src * K, K);
-            memcpy(gd.data_ptr<float>() + j * nbq, qa.view.d + src * nbq, nbq * sizeof(float));
-            memcpy(gs.data_ptr<int16_t>() + j * (K / 16), qa.view.s + src * (K / 16), (K / 16) * sizeof(int16_t));
-            memcpy(gsf.data_ptr<float>() + j * (K / 16), qa.view.sf + src * (K / 16), (K / 16) * sizeof(float));
+        Job j;
+        j.e = e;
+        j.c = (int64_t)r.size();
+        j.mv = j.c <= mv_max;
+        j.gq = torch::empty({j.c, K}, torch::kInt8);
+        j.gd = torch::empty({j.c, nbq}, torch::kFloat32);
+        j.gs = torch::empty({j.c, K / 16}, torch::kInt16);
+        j.gsf = torch::empty({j.c, K / 16}, torch::kFloat32);
+        j.gy = torch::empty({j.c, N}, torch::kFloat32);
+        for (int64_t i = 0; i < j.c; ++i) {
+            const int64_t src = kx == 1 ? r[i] / k : r[i];
+            memcpy(j.gq.data_ptr<int8_t>() + i * K, qa.view.q + src * K, K);
+            memcpy(j.gd.data_ptr<float>() + i * nbq, qa.view.d + src * nbq, nbq * sizeof(float));
+            memcpy(j.gs.data_ptr<int16_t>() + i * (K / 16), qa.view.s + src * (K / 16), (K / 16) * sizeof(int16_t));
+            memcpy(j.gsf.data_ptr<float>() + i * (K / 16), qa.view.sf + src * (K / 16), (K / 16) * sizeof(float));
         }
-        HzAct ga{gq.data_ptr<int8_t>(), gd.data_ptr<float>(), gs.data_ptr<int16_t>(), gsf.data_ptr<float>(), K, fk.qk};
-        run_matmul(fk, wp + e * N * rb, rb, N, ga, c, gy.data_ptr<float>(), N, mv_max);
-        for (int64_t j = 0; j < c; ++j) memcpy(o + r[j] * N, gy.data_ptr<float>() + j * N, N * sizeof(float));
+        j.a = HzAct{j.gq.data_ptr<int8_t>(), j.gd.data_ptr<float>(), j.gs.data_ptr<int16_t>(), j.gsf.data_ptr<float>(), K, fk.qk};
+        // task size as RowSplit's, but the "at least 4 tasks per thread" rule is for the whole
+        // op (all experts), so an expert's rows are not cut into small tasks
+        const int64_t rows_per_task = j.mv ? std::max<int64_t>(1, hz_mv_chunk_bytes / std::max<int64_t>(rb, 1))
+                                           : 16 * fk.gemm_nr;
+        for (int64_t n0 = 0; n0 < N; n0 += rows_per_task)
+            tasks.push_back(Task{(int64_t)jobs.size(), n0, std::min(N, n0 + rows_per_task)});
+        total_bytes += N * rb;
+        jobs.push_back(std::move(j));
+    }
+    auto run_task = [&](const Task& t) {
+        const Job& j = jobs[t.job];
+        (j.mv ? fk.matvec : fk.gemm)(wp + j.e * N * rb, rb, t.n0, t.n1, &j.a, j.c, j.gy.data_ptr<float>(), N);
+    };
+    const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (int64_t)tasks.size()));
+    if (nth == 1 || total_bytes < 65536) {
+        for (const Task& t : tasks) run_task(t);
+    } else {
+        std::atomic<int64_t> next{0};
+        at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
+            for (int64_t i; (i = next.fetch_add(1)) < (int64_t)tasks.size();) run_task(tasks[i]);
+        });
+    }
+    for (const Job& j : jobs) {
+        const auto& r = rows[j.e];
+        for (int64_t i = 0; i < j.c; ++i) memcpy(o + r[i] * N, j.gy.data_ptr<float>() + i * N, N * sizeof(float));
     }
     return out;
 }
