@@ -101,10 +101,23 @@ QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
     return r;
 }
 
-// Rows of a weight are split over threads in chunks taken from a shared counter (dynamic
-// schedule): on a loaded machine a descheduled thread delays only its current chunk, not half the
-// op. A chunk is ~256 KiB of weights (mat-vec, hz_mv_chunk_bytes) or 16 GEMM tiles of `tile` rows,
-// at least 4 per thread.
+// Tasks 0..n-1 on nth threads, each thread taking the next task from a shared counter (dynamic
+// schedule): on a loaded machine a descheduled thread delays only its current task.
+template <class F>
+void run_tasks(int64_t n, int64_t nth, const F& task) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
+        for (int64_t i; (i = next.fetch_add(1)) < n;) task(i);
+    });
+}
+
+// Weight rows of one task: ~256 KiB of weights (mat-vec, hz_mv_chunk_bytes) or 16 GEMM tiles.
+int64_t task_rows(int64_t rb, bool mv, int64_t gemm_nr) {
+    return mv ? std::max<int64_t>(1, hz_mv_chunk_bytes / std::max<int64_t>(rb, 1)) : 16 * gemm_nr;
+}
+
+// Rows of a weight are split over threads in tasks of task_rows (in whole tiles), at least 4 per
+// thread (hz_mv_min_chunks for the mat-vec), run by run_tasks.
 struct RowSplit {
     int64_t tile, ntiles, nth, chunk;
     bool serial;  // small op: one thread, no wake-ups
@@ -112,25 +125,20 @@ struct RowSplit {
         tile = mv ? 1 : gemm_nr;
         ntiles = (N + tile - 1) / tile;
         nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
-        chunk = mv ? std::max<int64_t>(1, hz_mv_chunk_bytes / std::max<int64_t>(rb, 1)) : 16;
+        chunk = task_rows(rb, mv, gemm_nr) / tile;
         chunk = std::max<int64_t>(1, std::min<int64_t>(chunk, ntiles / ((mv ? hz_mv_min_chunks : 4) * nth)));
         serial = nth == 1 || ntiles * rb * tile < 65536;
     }
     // body(n0, n1) over row ranges of at most chunk * tile rows, N rows in all.
     template <class F>
     void run(int64_t N, const F& body) const {
+        const int64_t ntasks = (ntiles + chunk - 1) / chunk;
+        auto task = [&](int64_t i) { body(i * chunk * tile, std::min(N, (i + 1) * chunk * tile)); };
         if (serial) {
-            for (int64_t t0 = 0; t0 < ntiles; t0 += chunk) body(t0 * tile, std::min(N, (t0 + chunk) * tile));
+            for (int64_t i = 0; i < ntasks; ++i) task(i);
             return;
         }
-        std::atomic<int64_t> next{0};
-        at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
-            for (;;) {
-                const int64_t t0 = next.fetch_add(chunk);
-                if (t0 >= ntiles) break;
-                body(t0 * tile, std::min(N, (t0 + chunk) * tile));
-            }
-        });
+        run_tasks(ntasks, nth, task);
     }
 };
 
@@ -296,10 +304,9 @@ torch::Tensor mul_mat_id(torch::Tensor x, torch::Tensor w, torch::Tensor ids, in
             memcpy(j.gsf.data_ptr<float>() + i * (K / 16), qa.view.sf + src * (K / 16), (K / 16) * sizeof(float));
         }
         j.a = HzAct{j.gq.data_ptr<int8_t>(), j.gd.data_ptr<float>(), j.gs.data_ptr<int16_t>(), j.gsf.data_ptr<float>(), K, fk.qk};
-        // task size as RowSplit's, but the "at least 4 tasks per thread" rule is for the whole
-        // op (all experts), so an expert's rows are not cut into small tasks
-        const int64_t rows_per_task = j.mv ? std::max<int64_t>(1, hz_mv_chunk_bytes / std::max<int64_t>(rb, 1))
-                                           : 16 * fk.gemm_nr;
+        // task size as RowSplit's, without its "at least 4 tasks per thread" rule: with all the
+        // experts' tasks in one region, an expert's rows need not be cut small
+        const int64_t rows_per_task = task_rows(rb, j.mv, fk.gemm_nr);
         for (int64_t n0 = 0; n0 < N; n0 += rows_per_task)
             tasks.push_back(Task{(int64_t)jobs.size(), n0, std::min(N, n0 + rows_per_task)});
         total_bytes += N * rb;
@@ -313,10 +320,7 @@ torch::Tensor mul_mat_id(torch::Tensor x, torch::Tensor w, torch::Tensor ids, in
     if (nth == 1 || total_bytes < 65536) {
         for (const Task& t : tasks) run_task(t);
     } else {
-        std::atomic<int64_t> next{0};
-        at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
-            for (int64_t i; (i = next.fetch_add(1)) < (int64_t)tasks.size();) run_task(tasks[i]);
-        });
+        run_tasks((int64_t)tasks.size(), nth, [&](int64_t i) { run_task(tasks[i]); });
     }
     for (const Job& j : jobs) {
         const auto& r = rows[j.e];
