@@ -9,6 +9,7 @@
 // A/B 1 thread, Zen 3, L2-resident: Q4_0 1.58x, IQ4_NL 1.40x, Q5_0 1.31x, Q8_0 1.19x).
 // K-quants: scales by immediate vpshufd (scale_q), the min folded into int32 when dmin = 2^k d
 // (Q6_K, Q3_K), d and dmin converted together (Q4_K, Q5_K).
+
 // Scales of 4 consecutive blocks (S8 formats), as floats.
 template <class T>
 static inline __m128 dval4(const uint8_t* b) {
@@ -70,7 +71,7 @@ static inline float matvec_row(const uint8_t* row, const HzAct* a, int64_t m) {
             const uint8_t* blk = row + b * T::BYTES;
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot(blk, b, false)), _mm256_set1_ps(H::dval(blk) * xd[b]), acc);
         }
-      } else {  // 32-value formats with a float min (Q4_1, Q5_1): the same two-accumulator loop
+      } else {  // 32-value formats with a float min (Q4_1, Q5_1): two blocks per iteration, two accumulators
         __m256 acc2 = _mm256_setzero_ps();
         float accs[2] = {0.f, 0.f};
         auto block = [&](int64_t b, __m256& ac, float& as, bool pf) {
