@@ -1,5 +1,7 @@
 // AVX-512 (VL/BW) + VNNI instantiation on 256-bit vectors: vpdpwssd fuses the scale multiply
-// and accumulate of the int8 dot, and 32 vector registers allow a 4x2 GEMM register tile.
+// and accumulate of the int8 dot, and 32 vector registers allow a 4x3 GEMM register tile
+// (HZ_GEMM_MR x HZ_GEMM_NR, kernels_gemm.h; AVX2: 3x3). No machine here has AVX-512: this unit
+// compiles everywhere but runs (and is tested) only where the CPU reports avx512f/bw/vl/vnni.
 #pragma GCC target("avx2,fma,f16c,bmi2,popcnt,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #include <immintrin.h>
 #include <math.h>
