@@ -25,8 +25,8 @@ def load(
     file's tensors are assigned to it: projection and embedding weights stay
     :class:`~hanzo_torch.GGUFTensor` views of the memory-mapped file (on CPU nothing is copied;
     the OS is asked to read the file into the page cache in the background,
-    :meth:`~hanzo_torch.gguf_file.GGUFFile.prefetch`), 1-D norm weights and biases are dequantized to ``dtype``. No
-    full-precision copy of a matrix is ever made.
+    :meth:`~hanzo_torch.gguf_file.GGUFFile.prefetch`), 1-D norm weights and biases are
+    dequantized to ``dtype``. No full-precision copy of a matrix is ever made.
 
     Args:
         path: the ``.gguf`` file.
