@@ -203,7 +203,8 @@ def cmd_generate(args) -> int:
     out.flush()
     if not args.quiet:
         st = stream.stats
-        _err(st.summary() + f" | seed {st.seed}")
+        # the seed matters only when sampling (--temp 0 is greedy and reproducible without it)
+        _err(st.summary() + (f" | seed {st.seed}" if args.temp > 0 else ""))
     return 0
 
 

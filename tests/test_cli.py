@@ -19,8 +19,13 @@ from qwen_vocab import add_tokenizer_metadata, toy_tokenizer_metadata
 def tiny_model(tmp_path_factory) -> Path:
     from gguf_builders import tiny_spec, write_tiny_gguf
 
+    from hanzo_torch.ops import cpu as hcpu
+
+    # load() builds the C++ extension on first use and says so on stderr; build it here, so the
+    # tests that count the CLI's stderr lines also pass on a cold extension cache
+    hcpu.extension()
     path = tmp_path_factory.mktemp("cli") / "tiny-qwen3.gguf"
-    spec = tiny_spec("qwen3", hidden=64, n_head=2, n_head_kv=1, head_dim=32, ffn=128)  # all F32: no kernel build
+    spec = tiny_spec("qwen3", hidden=64, n_head=2, n_head_kv=1, head_dim=32, ffn=128)  # all F32
     return Path(write_tiny_gguf(path, spec, toy_tokenizer_metadata()))
 
 
