@@ -1,7 +1,7 @@
 """Build hook: ship the C++ sources of csrc/ inside the wheel as hanzo_torch/_csrc/.
 
 All metadata lives in pyproject.toml. The CPU extension is compiled from these sources on first
-use (hanzo_torch/ops/cpu); an editable install reads csrc/ in the checkout directly.
+use (hanzo_torch/backends/cpu); an editable install reads csrc/ in the checkout directly.
 """
 import shutil
 from pathlib import Path

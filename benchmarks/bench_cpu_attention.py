@@ -16,7 +16,7 @@ import time
 import torch
 
 import hanzo_torch  # noqa: F401
-from hanzo_torch.ops.cpu import fused as cf
+from hanzo_torch.backends.cpu import fused as cf
 
 
 def timings(fn, reps: int) -> list[float]:

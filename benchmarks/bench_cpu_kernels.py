@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_cpu_kernels import random_blocks  # noqa: E402
 
-from hanzo_torch.ops import cpu as hcpu  # noqa: E402
+from hanzo_torch.backends import cpu as hcpu  # noqa: E402
 
 GT = gguf.GGMLQuantizationType
 

@@ -29,7 +29,7 @@ from collections import Counter
 
 import hanzo_torch  # first: it bounds libgomp's spin before torch loads it, as the CLI does (see its __init__)
 import torch
-from hanzo_torch.ops import cpu as hcpu
+from hanzo_torch.backends import cpu as hcpu
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/hanzo-torch/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 

@@ -75,8 +75,8 @@ def bench_formats(formats, budget_s: float, N: int = 14336, K: int = 4096, M_gem
     import torch
 
     from hanzo_torch.ops.quant import mul_mat_reference
-    from hanzo_torch.ops.triton import quant
-    from hanzo_torch.ops.triton._testing import random_packed
+    from hanzo_torch.backends.triton import quant
+    from hanzo_torch.backends.triton._testing import random_packed
 
     t_start = time.monotonic()
     bw = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 20))
@@ -138,9 +138,9 @@ def aot_check(formats, targets=("cuda:90", "hip:gfx942")) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hanzo_torch.ops.triton import formats as F
-    from hanzo_torch.ops.triton import fused as f
-    from hanzo_torch.ops.triton import quant as q
+    from hanzo_torch.backends.triton import formats as F
+    from hanzo_torch.backends.triton import fused as f
+    from hanzo_torch.backends.triton import quant as q
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     failures = 0
@@ -237,7 +237,7 @@ def main() -> int:
     ap.add_argument("--aot", action="store_true", help="compile-only check for sm_90 and gfx942 (no GPU needed)")
     args = ap.parse_args()
 
-    from hanzo_torch.ops.triton.formats import SUPPORTED
+    from hanzo_torch.backends.triton.formats import SUPPORTED
 
     if args.formats == "all":
         formats = list(SUPPORTED)
@@ -254,7 +254,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA/ROCm device: nothing to measure (use --aot for the compile-only check)")
         return 1
-    import hanzo_torch.ops.triton as backend
+    import hanzo_torch.backends.triton as backend
 
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton backend "
           f"{'registered' if backend.AVAILABLE else 'NOT registered: ' + str(backend.REASON)}", flush=True)

@@ -19,7 +19,7 @@ from qwen_vocab import add_tokenizer_metadata, toy_tokenizer_metadata
 def tiny_model(tmp_path_factory) -> Path:
     from gguf_builders import tiny_spec, write_tiny_gguf
 
-    from hanzo_torch.ops import cpu as hcpu
+    from hanzo_torch.backends import cpu as hcpu
 
     # load() builds the C++ extension on first use and says so on stderr; build it here, so the
     # tests that count the CLI's stderr lines also pass on a cold extension cache

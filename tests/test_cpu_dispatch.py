@@ -1,4 +1,4 @@
-"""The C++ dispatch of the hanzo ops on CPU (csrc/cpu/ops.cpp ``fast::``, hanzo_torch/ops/cpu/fused.py).
+"""The C++ dispatch of the hanzo ops on CPU (csrc/cpu/ops.cpp ``fast::``, hanzo_torch/backends/cpu/fused.py).
 
 Once the extension is built, ``torch.ops.hanzo.<op>`` on CPU tensors runs a C++ kernel that
 checks the arguments and calls the same C++ kernel the op's Python body would choose. The gate:
@@ -11,10 +11,10 @@ import torch
 
 import hanzo_torch  # noqa: F401  (registers the ops)
 from hanzo_torch.ops import _common
-from hanzo_torch.ops import cpu as hcpu
+from hanzo_torch.backends import cpu as hcpu
 from hanzo_torch.ops import fused as ref
 from hanzo_torch.ops import quant
-from hanzo_torch.ops.cpu import fused as cf
+from hanzo_torch.backends.cpu import fused as cf
 
 from test_cpu_kernels import random_blocks
 

@@ -15,9 +15,9 @@ import torch
 
 import hanzo_torch  # noqa: F401  registers torch.ops.hanzo.*
 from hanzo_torch.ops import _common
-from hanzo_torch.ops import cpu as hcpu
+from hanzo_torch.backends import cpu as hcpu
 from hanzo_torch.ops import fused as ref
-from hanzo_torch.ops.cpu import fused as cf
+from hanzo_torch.backends.cpu import fused as cf
 
 pytestmark = pytest.mark.skipif(not hcpu.available(), reason="C++ CPU extension could not be built")
 
@@ -316,7 +316,7 @@ def test_direct_dispatch_can_be_turned_off():
     import subprocess
     import sys
 
-    code = ("import hanzo_torch, torch; from hanzo_torch.ops.cpu import fused as f; "
+    code = ("import hanzo_torch, torch; from hanzo_torch.backends.cpu import fused as f; "
             "print(f.DIRECT_DISPATCH_OPS, torch.ops.hanzo.swiglu(torch.ones(3), torch.ones(3)).tolist())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "HANZO_CPU_DIRECT_DISPATCH": "0"})

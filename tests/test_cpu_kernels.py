@@ -1,4 +1,4 @@
-"""C++ CPU kernels (csrc/cpu, hanzo_torch.ops.cpu) against gguf dequantization and the torch references.
+"""C++ CPU kernels (csrc/cpu, hanzo_torch.backends.cpu) against gguf dequantization and the torch references.
 
 Tolerances (why they are what they are):
 - dequantization / get_rows: bit-exact with ``gguf.quants.dequantize`` (same float expression).
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hanzo_torch  # noqa: F401  (registers the ops)
-from hanzo_torch.ops import cpu as hcpu
+from hanzo_torch.backends import cpu as hcpu
 from hanzo_torch.ops import quant
 
 QTYPES = hcpu.SUPPORTED_QTYPES
@@ -190,7 +190,7 @@ def test_swiglu_mul_mat_fused_equals_the_composition(ext, qg, qu):
     K, F_ = 512, 41  # F not a multiple of the GEMM tile (3) nor of the thread chunks
     wg, wu = random_blocks(qg, F_, K, seed=20), random_blocks(qu, F_, K, seed=21)
     x = torch.randn(9, K)
-    sw = hanzo_torch.ops.cpu.fused.swiglu
+    sw = hanzo_torch.backends.cpu.fused.swiglu
     for isa in ISAS():
         for M, mv in ((1, 8), (4, 8), (9, 8), (9, 0)):
             for dtype in (torch.float32, torch.bfloat16):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hanzo_torch.ops import cpu as hcpu
+from hanzo_torch.backends import cpu as hcpu
 from test_cpu_kernels import ISAS, _F16_FIELDS, act_dequant, assert_tight, gguf_dequant, qa_of, random_blocks
 
 GT = gguf.GGMLQuantizationType

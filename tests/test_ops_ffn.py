@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from hanzo_torch.ops import _common
 from hanzo_torch.ops.ffn import swiglu_mul_mat_reference
-from hanzo_torch.ops.triton._testing import gguf_dequantize, random_packed
+from hanzo_torch.backends.triton._testing import gguf_dequantize, random_packed
 
 U32 = 2.0 ** -24  # unit roundoff of float32
 _CHILD = os.environ.get("HANZO_FFN_INTERPRET_CHILD") == "1"
@@ -163,7 +163,7 @@ else:
     def tffn():
         from triton.runtime.interpreter import InterpretedFunction
 
-        from hanzo_torch.ops.triton import ffn
+        from hanzo_torch.backends.triton import ffn
 
         assert isinstance(ffn._swiglu_matvec_kernel, InterpretedFunction), "TRITON_INTERPRET=1 not in effect"
         return ffn
@@ -200,7 +200,7 @@ else:
             tffn.swiglu_mul_mat(x, wg, random_packed("Q6_K", (24, 512)), "Q4_K", "Q6_K")
 
     def test_op_body_runs_triton_kernel(tffn, monkeypatch):
-        import hanzo_torch.ops.triton as backend
+        import hanzo_torch.backends.triton as backend
 
         table = {key: list(v) for key, v in _common._KERNELS.items()}
         calls = []

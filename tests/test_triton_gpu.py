@@ -30,7 +30,7 @@ QWEN_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "F16", "BF16", "F32")
 
 def _formats():
     try:
-        from hanzo_torch.ops.triton.formats import SUPPORTED
+        from hanzo_torch.backends.triton.formats import SUPPORTED
     except ImportError:
         return ()
     return tuple(SUPPORTED)
@@ -41,8 +41,8 @@ ALL_FORMATS = _formats()
 
 @pytest.fixture(scope="module")
 def tk():
-    import hanzo_torch.ops.triton as backend
-    from hanzo_torch.ops.triton import formats, fused, quant
+    import hanzo_torch.backends.triton as backend
+    from hanzo_torch.backends.triton import formats, fused, quant
 
     assert backend.AVAILABLE, f"Triton backend not registered: {backend.REASON}"
     assert type(quant._dequantize_kernel).__name__ == "JITFunction", "kernels are interpreted, not compiled"
@@ -70,7 +70,7 @@ def test_registered_for_cuda(tk):
 
 @pytest.mark.parametrize("qtype", ALL_FORMATS)
 def test_dequantize_bit_exact_4096(tk, qtype):
-    from hanzo_torch.ops.triton._testing import gguf_dequantize
+    from hanzo_torch.backends.triton._testing import gguf_dequantize
 
     qk, ts = tk.formats.format_info(qtype)[1:]
     K = BIG
@@ -86,7 +86,7 @@ def test_dequantize_bit_exact_4096(tk, qtype):
 @pytest.mark.parametrize("qtype", ALL_FORMATS)
 def test_mul_mat_decode_4096(tk, qtype):
     from hanzo_torch.ops.quant import mul_mat_reference
-    from hanzo_torch.ops.triton._testing import matmul_bound, random_packed
+    from hanzo_torch.backends.triton._testing import matmul_bound, random_packed
 
     N, K = BIG, BIG
     w = random_packed(qtype, (N, K), seed=1).to(DEV)
@@ -103,7 +103,7 @@ def test_mul_mat_decode_4096(tk, qtype):
 @pytest.mark.parametrize("qtype", QWEN_FORMATS + ("IQ2_XXS", "IQ4_XS", "Q2_K", "Q3_K", "Q5_K"))
 def test_mul_mat_prefill_512(tk, qtype):
     from hanzo_torch.ops.quant import mul_mat_reference
-    from hanzo_torch.ops.triton._testing import matmul_bound, random_packed
+    from hanzo_torch.backends.triton._testing import matmul_bound, random_packed
 
     M, N, K = PREFILL_M, BIG, BIG
     w = random_packed(qtype, (N, K), seed=2).to(DEV)
@@ -122,7 +122,7 @@ def test_mul_mat_prefill_512(tk, qtype):
 @pytest.mark.parametrize("T", (1, 300))  # decode, grouped prefill
 def test_mul_mat_id(tk, qtype, T):
     from hanzo_torch.ops.quant import mul_mat_id_reference
-    from hanzo_torch.ops.triton._testing import random_packed
+    from hanzo_torch.backends.triton._testing import random_packed
 
     E, N, K, k = 8, BIG // 4, BIG // 2, 4
     w = random_packed(qtype, (E, N, K), seed=3).to(DEV)
@@ -138,7 +138,7 @@ def test_mul_mat_id(tk, qtype, T):
 
 def test_get_rows_and_quantize_q8_1(tk):
     from hanzo_torch.ops.quant import get_rows_reference, quantize_q8_1_reference
-    from hanzo_torch.ops.triton._testing import random_packed
+    from hanzo_torch.backends.triton._testing import random_packed
 
     w = random_packed("Q6_K", (VOCAB, BIG // 2), seed=4).to(DEV)
     ids = torch.randint(0, VOCAB, (4, 77), device=DEV)
@@ -189,7 +189,7 @@ def test_fused_ops_real_shapes(tk, dtype):
 def test_decode_step_graph_replay_reads_device_position(tk):
     """A captured decode step (mat-vec, q/k-norm+RoPE, KV write, attention) replays at the
     position held in a device tensor, matching eager at every token (DESIGN section 4)."""
-    from hanzo_torch.ops.triton._testing import random_packed
+    from hanzo_torch.backends.triton._testing import random_packed
 
     H, Hq, Hk, D, S = 1024, 8, 2, 128, 600  # S > ATTN_SPLIT_CHUNK: the split decode is captured too
     w = random_packed("Q4_K", ((Hq + 2 * Hk) * D, H), seed=5).to(DEV)

@@ -1,6 +1,6 @@
 """The Triton kernels run on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1).
 
-Every kernel of hanzo_torch.ops.triton is gated here, at tiny shapes, against its oracle:
+Every kernel of hanzo_torch.backends.triton is gated here, at tiny shapes, against its oracle:
 ``gguf.quants.dequantize`` for the format layer (bit-exact in float32, every format the unpack
 rules cover) and the vectorized-torch op references (hanzo_torch.ops.quant / .fused) with a
 tolerance derived from the rounding error of the computation, which a wrong nibble, scale or
@@ -33,14 +33,14 @@ pytest.importorskip("triton")
 from hanzo_torch.ops import _common  # noqa: E402
 from hanzo_torch.ops import fused as ref_fused  # noqa: E402
 from hanzo_torch.ops import quant as ref_quant  # noqa: E402
-from hanzo_torch.ops.triton._testing import gguf_dequantize, matmul_bound, random_packed  # noqa: E402
+from hanzo_torch.backends.triton._testing import gguf_dequantize, matmul_bound, random_packed  # noqa: E402
 
 # The formats of the real Qwen GGUFs plus the dense ones: checked in more configurations.
 QWEN_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "F16", "BF16", "F32")
 
 
 def _all_formats():
-    from hanzo_torch.ops.triton.formats import SUPPORTED
+    from hanzo_torch.backends.triton.formats import SUPPORTED
 
     return tuple(SUPPORTED)
 
@@ -84,7 +84,7 @@ def tk():
     """Namespace with the kernel modules (formats, quant, fused), verified to be interpreted."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from hanzo_torch.ops.triton import formats, fused, quant
+    from hanzo_torch.backends.triton import formats, fused, quant
 
     assert isinstance(quant._dequantize_kernel, InterpretedFunction), "TRITON_INTERPRET=1 was not in effect"
     return types.SimpleNamespace(formats=formats, quant=quant, fused=fused)
@@ -439,7 +439,7 @@ def test_attention_ignores_slots_past_position(tk):
 @pytest.fixture
 def triton_on_cpu(tk):
     """Register the interpreted kernels for device type "cpu" for one test (table restored after)."""
-    import hanzo_torch.ops.triton as backend
+    import hanzo_torch.backends.triton as backend
 
     table = {key: list(v) for key, v in _common._KERNELS.items()}
     try:
@@ -517,13 +517,13 @@ def test_every_op_body_runs_its_triton_kernel(tk, triton_on_cpu):
     assert torch.equal(kc[0, 3:5], k[0]) and torch.equal(vc[0, 3:5], k[0])
     torch.testing.assert_close(ops.attention(q, kc, vc, pos, 0.25, "auto"),
                                rf.attention_reference(q, kc, vc, pos, 0.25, "auto"), **close)
-    import hanzo_torch.ops.triton as backend
+    import hanzo_torch.backends.triton as backend
 
     assert sorted(set(called)) == sorted(backend.QUANT_OPS + backend.PLAIN_OPS)
 
 
 def test_registration_covers_every_op_and_format(tk, triton_on_cpu):
-    import hanzo_torch.ops.triton as backend
+    import hanzo_torch.backends.triton as backend
 
     reg = _common.registered_kernels()
     for op in backend.QUANT_OPS + backend.PLAIN_OPS:

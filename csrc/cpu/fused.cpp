@@ -5,7 +5,7 @@
 // (T >= kAttnTileMinT) runs its two contractions as ATen/BLAS float32 GEMMs over token tiles.
 //
 // Registered with the torch dispatcher as the namespace ``hanzo_cpu`` (so this file needs no hook in
-// the pybind module of ops.cpp); hanzo_torch/ops/cpu/fused.py calls them after the op wrappers in
+// the pybind module of ops.cpp); hanzo_torch/backends/cpu/fused.py calls them after the op wrappers in
 // hanzo_torch/ops/fused.py have checked shapes and dtypes. The kernels re-check what guards memory
 // (shapes, position bounds) and make their inputs contiguous.
 //

@@ -422,7 +422,7 @@ std::vector<std::vector<int64_t>> formats() {  // (type_id, block size, block by
 // Anything else -- an unknown or dense format, a HANZO_<OP>_FALLBACK or HANZO_CPU_ISA variable
 // that is set, a shape or dtype the Python checks would reject, an out-of-range position -- is
 // handed to the op's Python body, which raises its usual ValueError or runs the reference.
-// Registered at run time by hanzo_torch/ops/cpu (register_fast_paths); HANZO_CPU_DIRECT_DISPATCH=0
+// Registered at run time by hanzo_torch/backends/cpu (register_fast_paths); HANZO_CPU_DIRECT_DISPATCH=0
 // keeps the Python bodies.
 namespace fast {
 
@@ -438,7 +438,7 @@ State& st() {
     return *s;
 }
 
-// Ops, in the order of FAST_PATH_OPS (hanzo_torch/ops/cpu/fused.py), and whether each may take its
+// Ops, in the order of FAST_PATH_OPS (hanzo_torch/backends/cpu/fused.py), and whether each may take its
 // C++ path: off while hanzo_torch.ops._common's kernel table routes the op elsewhere on CPU (a
 // kernel registered at run time, a test's stand-in), so the op body's kernel choice is kept.
 enum FastOp { F_MUL_MAT, F_SWIGLU_MUL_MAT, F_RMS_NORM, F_ADD_RMS_NORM, F_QK_NORM_ROPE, F_KV_CACHE_WRITE, F_ATTENTION, F_N };

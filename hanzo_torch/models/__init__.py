@@ -56,7 +56,7 @@ def load(
     if device.type == "cpu":
         # Build (or load from the cache) the C++ CPU kernels now, so a first build is part of
         # loading, not of the first forward's timing. Without a compiler this warns once.
-        from ..ops import cpu as cpu_backend
+        from ..backends import cpu as cpu_backend
 
         cpu_backend.extension()
     f = GGUFFile(path, dtype=dtype)

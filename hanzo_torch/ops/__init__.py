@@ -16,7 +16,7 @@ def _load_backends() -> None:
 
     for name in ("cpu", "triton"):
         try:
-            importlib.import_module(f"{__name__}.{name}")
+            importlib.import_module(f"hanzo_torch.backends.{name}")
         except ImportError:
             pass
 

@@ -17,7 +17,7 @@ class _KernelTable(dict):
     """``(op, device_type) -> [(qtypes or None, fn), ...]`` that tells its listeners of every change.
 
     A backend that bypasses :func:`kernel_for` on its hot path (the C++ dispatch of the CPU ops,
-    :mod:`hanzo_torch.ops.cpu.fused`) listens, so a kernel registered later (or a test's
+    :mod:`hanzo_torch.backends.cpu.fused`) listens, so a kernel registered later (or a test's
     stand-in set with ``monkeypatch.setitem``) is still the one that runs.
     """
 

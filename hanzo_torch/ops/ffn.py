@@ -8,12 +8,12 @@ quantized activation").
 
 Dispatch follows docs/ARCHITECTURE.md: the op body asks
 :func:`hanzo_torch.ops._common.kernel_for` for a kernel registered for the input's device type
-that handles *both* formats (Triton on CUDA/ROCm: :mod:`hanzo_torch.ops.triton.ffn`; C++ on the
+that handles *both* formats (Triton on CUDA/ROCm: :mod:`hanzo_torch.backends.triton.ffn`; C++ on the
 CPU for the 22 quantized formats), else it runs :func:`swiglu_mul_mat_reference`, the unfused
 composition of ``hanzo::mul_mat`` (twice) and ``hanzo::swiglu``.
 ``HANZO_SWIGLU_MUL_MAT_FALLBACK=1`` forces the reference.
 
-CPU: ``hanzo_torch.ops.cpu.swiglu_mul_mat`` (csrc/cpu/ops.cpp) quantizes x once per block size
+CPU: ``hanzo_torch.backends.cpu.swiglu_mul_mat`` (csrc/cpu/ops.cpp) quantizes x once per block size
 and computes each thread's range of gate rows, up rows and the epilogue in one parallel region,
 bit-identical to the composition of the C++ ``mul_mat`` and ``swiglu`` kernels.
 """

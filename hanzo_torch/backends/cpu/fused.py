@@ -1,7 +1,7 @@
 """C++ CPU kernels of the fused transformer ops (``csrc/cpu/fused.cpp``).
 
 They live in the same lazily built extension as the quantized kernels (built on first use,
-cached; see :mod:`hanzo_torch.ops.cpu`) and are registered with the torch dispatcher as
+cached; see :mod:`hanzo_torch.backends.cpu`) and are registered with the torch dispatcher as
 ``torch.ops.hanzo_cpu.*``. Each function here has the signature of its reference in
 :mod:`hanzo_torch.ops.fused` and is registered with
 ``register_kernel(op, "cpu", fn)``, so ``torch.ops.hanzo.<op>`` runs it after its checks and
@@ -33,8 +33,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _common
-from .. import fused as _ref
+from ...ops import _common
+from ...ops import fused as _ref
 
 __all__ = ["rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route",
            "OPS", "DIRECT_DISPATCH_OPS"]
@@ -185,7 +185,7 @@ def install_fast_paths(ext, isa: int, mv_max: int) -> list[str]:
     with the same arguments (identical results, ~20-40 us less per call); a set
     ``HANZO_<OP>_FALLBACK`` or ``HANZO_CPU_ISA``, an unknown or dense format, or arguments the
     Python checks would reject are handed to the Python body (same errors, same references).
-    Called once the extension is loaded (:func:`hanzo_torch.ops.cpu.build`); a no-op when direct
+    Called once the extension is loaded (:func:`hanzo_torch.backends.cpu.build`); a no-op when direct
     dispatch is off. ``isa``: the instruction set the fast path uses (the self-checked default).
     Returns the names of the ops now running C++ kernels.
     """

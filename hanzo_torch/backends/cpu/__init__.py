@@ -4,7 +4,7 @@ Importing this package only registers the kernels with :mod:`hanzo_torch.ops._co
 the extension is compiled on the FIRST call of a kernel with ``torch.utils.cpp_extension.load``
 (ninja, about 1-2 minutes on 2 cores) and cached in ``~/.cache/hanzo-torch/ext/<hash>`` keyed by
 a hash of the sources, their folder, the torch version and install folder, and the compiler, so
-later processes load it in well under a second. ``python -m hanzo_torch.ops.cpu`` builds it ahead of time.
+later processes load it in well under a second. ``python -m hanzo_torch.backends.cpu`` builds it ahead of time.
 
 If no compiler is available or the build fails, one warning is issued and the vectorized-torch
 references run instead (the answers are the same up to the documented tolerance).
@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from .. import _common
+from ...ops import _common
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build"]
@@ -274,7 +274,7 @@ def _type_id(qtype: str) -> int:
 
 
 def _reference(name: str):
-    from .. import quant
+    from ...ops import quant
 
     return getattr(quant, f"{name}_reference")
 
@@ -321,7 +321,7 @@ def swiglu_mul_mat(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, qt
     the projections are rounded to x.dtype before the epilogue, as the unfused ops round them."""
     ext = extension()
     if ext is None:
-        from ..ffn import swiglu_mul_mat_reference
+        from ...ops.ffn import swiglu_mul_mat_reference
 
         return swiglu_mul_mat_reference(x, w_gate, w_up, qtype_gate, qtype_up)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])

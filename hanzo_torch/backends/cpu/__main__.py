@@ -1,4 +1,4 @@
-"""``python -m hanzo_torch.ops.cpu``: build (or load from the cache) the C++ CPU kernels and report."""
+"""``python -m hanzo_torch.backends.cpu``: build (or load from the cache) the C++ CPU kernels and report."""
 import time
 
 from . import ISA_NAMES, build, default_isa

@@ -3,7 +3,7 @@
 Every kernel reads packed weights through :func:`.formats.unpack_at`, generic over the format
 (a ``tl.constexpr`` ggml type id); nothing here knows any block layout. The Python wrappers
 have the signatures of the ``hanzo`` ops (docs/ARCHITECTURE.md) and are what
-``hanzo_torch.ops.triton`` registers for device type ``"cuda"`` (CUDA and ROCm).
+``hanzo_torch.backends.triton`` registers for device type ``"cuda"`` (CUDA and ROCm).
 
 Contractions (``../shared/DESIGN.md`` section 5):
 - decode mat-vec (``M <= MATVEC_MAX_M``): each program owns ``BN`` weight rows and streams them

@@ -45,7 +45,7 @@ def register_kernels(device_type: str = "cuda") -> None:
     Called at import for ``"cuda"`` when triton and a device are present. Tests call it with
     ``"cpu"`` under ``TRITON_INTERPRET=1`` to run the real op bodies through the kernels.
     """
-    from .. import _common
+    from ...ops import _common
 
     fmts = supported_formats()
     for op, fn in kernels().items():
