@@ -1,17 +1,20 @@
-"""The C++ dispatch of the hanzo ops on CPU (csrc/cpu/ops.cpp ``fast::``, hanzo_torch/backends/cpu/fused.py).
+"""The C++ kernels of the hanzo ops on the CPU dispatch key (csrc/cpu/ops.cpp, ``TORCH_LIBRARY_IMPL``).
 
-Once the extension is built, ``torch.ops.hanzo.<op>`` on CPU tensors runs a C++ kernel that
-checks the arguments and calls the same C++ kernel the op's Python body would choose. The gate:
-for every op, the result is bit-identical (``torch.equal``) to the Python body's on the same
-inputs; inputs the Python checks reject raise the same ValueError; ``HANZO_<OP>_FALLBACK``,
-``HANZO_CPU_ISA``, dense formats and kernels registered at run time still take effect.
+``torch.ops.hanzo.<op>`` on CPU tensors reaches the C++ kernel through torch's dispatcher. The
+gate: for every op the result is bit-identical (``torch.equal``) to the same C++ kernel called
+directly (:mod:`hanzo_torch.backends.cpu`); calls the C++ paths do not cover go to
+``torch.ops.hanzo_ref`` (same ValueError for bad input, same reference results for dense
+formats and in reference mode); :func:`hanzo_torch.backends.cpu.use_isa` and
+:func:`hanzo_torch.ops.use_reference` take effect in process.
 """
+import warnings
+
 import pytest
 import torch
 
-import hanzo_torch  # noqa: F401  (registers the ops)
-from hanzo_torch.ops import _common
+import hanzo_torch
 from hanzo_torch.backends import cpu as hcpu
+from hanzo_torch.ops import _dispatch
 from hanzo_torch.ops import fused as ref
 from hanzo_torch.ops import quant
 from hanzo_torch.backends.cpu import fused as cf
@@ -25,24 +28,37 @@ ops = torch.ops.hanzo
 def built():
     if hcpu.extension() is None:
         pytest.fail("the C++ CPU extension failed to build (see the warning above)")
-    if not cf.FAST_PATH_INSTALLED:
-        pytest.skip("HANZO_CPU_DIRECT_DISPATCH=0: the C++ dispatch is off in this process")
+    torch.ops.hanzo.swiglu(torch.ones(1), torch.ones(1))  # activates the CPU backend
+
+
+_DIRECT = {"rms_norm": cf.rms_norm, "add_rms_norm": cf.add_rms_norm, "qk_norm_rope": cf.qk_norm_rope,
+           "kv_cache_write": cf.kv_cache_write, "attention": cf.attention}
 
 
 def body(name):
-    return cf._BODIES[name]
+    """The C++ kernel of ``name`` called directly (no dispatcher)."""
+    if name == "mul_mat":
+        return hcpu.mul_mat
+    if name == "swiglu_mul_mat":
+        return hcpu.swiglu_mul_mat
+    return _DIRECT[name]
 
 
 def g(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-def test_installed_for_the_decode_ops():
-    assert set(cf.FAST_PATH_INSTALLED) == set(cf.FAST_PATH_OPS)
+def test_registered_for_every_op():
+    ext = hcpu.extension()
+    assert set(hanzo_torch.backends.activate("cpu")) == set(ext.native_ops())
+    assert set(ext.native_ops()) == set(_dispatch.OPS) - {"quantize_q8_1"}
+    st = {b.name: b for b in hanzo_torch.backends.status()}
+    assert st["cpu"].available and st["cpu"].details["isa"] in ("scalar", "avx2", "avx512")
+    assert set(st["cpu"].formats) == set(hanzo_torch.QUANTIZED_FORMATS) - {"NVFP4"}
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "IQ2_XXS"])
-def test_mul_mat_identical_to_the_python_body(qtype):
+def test_mul_mat_identical_to_the_direct_kernel(qtype):
     K, N = 512, 13
     w = random_blocks(qtype, N, K, seed=1)
     for shape in ((1, K), (7, K), (2, 3, K), (K,)):
@@ -54,7 +70,7 @@ def test_mul_mat_identical_to_the_python_body(qtype):
             assert torch.equal(y, want), (qtype, shape, dtype)
 
 
-def test_swiglu_mul_mat_identical_to_the_python_body():
+def test_swiglu_mul_mat_identical_to_the_direct_kernel():
     K, F = 256, 40
     wg, wu = random_blocks("Q4_K", F, K, seed=2), random_blocks("Q6_K", F, K, seed=3)
     for shape in ((1, 1, K), (9, K)):
@@ -65,7 +81,7 @@ def test_swiglu_mul_mat_identical_to_the_python_body():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_ops_identical_to_the_python_body(dtype):
+def test_fused_ops_identical_to_the_direct_kernels(dtype):
     B, T, Hq, Hk, D, S = 1, 3, 4, 2, 16, 8
     x, r = torch.randn(B, T, 32, generator=g(2)).to(dtype), torch.randn(B, T, 32, generator=g(3)).to(dtype)
     w = torch.randn(32, generator=g(4)).to(dtype)
@@ -87,6 +103,8 @@ def test_fused_ops_identical_to_the_python_body(dtype):
     for impl in ("auto", "eager", "flash"):
         y = ops.attention(q, caches[0], caches[1], pos, 0.25, impl)
         assert torch.equal(y, body("attention")(q, caches[0], caches[1], pos, 0.25, impl)), impl
+    for a, b in zip(ops.moe_route(x[0], 3, True), cf.moe_route(x[0], 3, True)):
+        assert torch.equal(a, b)
 
 
 def test_bad_input_raises_the_python_errors():
@@ -115,39 +133,44 @@ def test_bad_input_raises_the_python_errors():
         ops.attention(torch.ones(1, 1, 1, 2), kc, kc, torch.tensor([[0]]), 1.0, "fast")
 
 
-def test_fallback_env_isa_env_and_dense_formats_take_effect(monkeypatch):
+def test_reference_mode_isa_and_dense_formats_take_effect():
     K, N = 256, 8
     w = random_blocks("Q6_K", N, K, seed=5)
     x = torch.randn(2, K, generator=g(11))
     fast = ops.mul_mat(x, w, "Q6_K")
-    monkeypatch.setenv("HANZO_MUL_MAT_FALLBACK", "1")
-    slow = ops.mul_mat(x, w, "Q6_K")
+    with hanzo_torch.ops.use_reference("mul_mat"):
+        slow = ops.mul_mat(x, w, "Q6_K")
     assert torch.equal(slow, quant.mul_mat_reference(x, w, "Q6_K")) and not torch.equal(fast, slow)
-    monkeypatch.delenv("HANZO_MUL_MAT_FALLBACK")
-    monkeypatch.setenv("HANZO_CPU_ISA", "scalar")
-    assert torch.equal(ops.mul_mat(x, w, "Q6_K"), hcpu.mul_mat(x, w, "Q6_K", isa="scalar"))
-    monkeypatch.delenv("HANZO_CPU_ISA")
+    with hcpu.use_isa("scalar"):
+        assert torch.equal(ops.mul_mat(x, w, "Q6_K"), hcpu.mul_mat(x, w, "Q6_K", isa="scalar"))
     assert torch.equal(ops.mul_mat(x, w, "Q6_K"), fast)
+    with pytest.raises(ValueError, match="unknown ISA"):
+        with hcpu.use_isa("neon"):
+            pass
     w16 = hanzo_torch.quantize(torch.randn(N, K, generator=g(12)), "F16")
-    assert torch.equal(ops.mul_mat(x, w16, "F16"), quant.mul_mat_reference(x, w16, "F16"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # dense formats are torch's GEMM: no warning
+        assert torch.equal(ops.mul_mat(x, w16, "F16"), quant.mul_mat_reference(x, w16, "F16"))
     xs, ws = torch.randn(3, 16, generator=g(13)), torch.randn(16, generator=g(14))
-    monkeypatch.setenv("HANZO_RMS_NORM_FALLBACK", "1")
-    assert torch.equal(ops.rms_norm(xs, ws, 1e-6), ref.rms_norm_reference(xs, ws, 1e-6))
+    with hanzo_torch.ops.use_reference("rms_norm"):
+        assert torch.equal(ops.rms_norm(xs, ws, 1e-6), ref.rms_norm_reference(xs, ws, 1e-6))
 
 
-def test_a_kernel_registered_later_is_the_one_that_runs():
-    calls = []
-    table = {key: list(v) for key, v in _common._KERNELS.items()}
-    w = random_blocks("Q4_K", 4, 256, seed=6)
-    x = torch.randn(1, 256, generator=g(15))
-    try:
-        _common.register_kernel("mul_mat", "cpu", lambda *a: calls.append(a[2]) or quant.mul_mat_reference(*a),
-                                qtypes=("Q4_K",))
-        assert torch.equal(ops.mul_mat(x, w, "Q4_K"), quant.mul_mat_reference(x, w, "Q4_K")) and calls == ["Q4_K"]
-    finally:
-        _common._KERNELS.clear()
-        _common._KERNELS.update(table)
-    assert torch.equal(ops.mul_mat(x, w, "Q4_K"), hcpu.mul_mat(x, w, "Q4_K")) and calls == ["Q4_K"]
+def test_a_format_without_a_cpu_kernel_warns_once_and_runs_the_reference():
+    from hanzo_torch.backends.triton._testing import random_packed
+
+    missing = sorted(set(hanzo_torch.QUANTIZED_FORMATS) - set(hcpu.formats()))
+    if not missing:
+        pytest.skip("every quantized format has a C++ kernel")
+    qtype = missing[0]
+    w = random_packed(qtype, (4, 64), seed=3)
+    x = torch.randn(1, 64, generator=g(16))
+    with pytest.warns(UserWarning, match=f"no C\\+\\+ kernel for format {qtype}"):
+        y = ops.mul_mat(x, w, qtype)
+    assert torch.equal(y, quant.mul_mat_reference(x, w, qtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.mul_mat(x, w, qtype)  # once per format
 
 
 def test_kv_cache_write_bumps_the_caches_versions():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hanzo_torch  # noqa: F401  registers torch.ops.hanzo.*
-from hanzo_torch.ops import _common
+import hanzo_torch
 from hanzo_torch.backends import cpu as hcpu
 from hanzo_torch.ops import fused as ref
 from hanzo_torch.backends.cpu import fused as cf
@@ -47,13 +47,11 @@ def both_paths(monkeypatch):
     """Yields a function running a torch.ops.hanzo op with the C++ kernel and with the reference."""
 
     def run(op, fn):
-        monkeypatch.delenv(f"HANZO_{op.upper()}_FALLBACK", raising=False)
-        assert _common.kernel_for(op, "cpu") is getattr(cf, op)
-        fast = fn()
-        monkeypatch.setenv(f"HANZO_{op.upper()}_FALLBACK", "1")
-        assert _common.kernel_for(op, "cpu") is None
-        slow = fn()
-        monkeypatch.delenv(f"HANZO_{op.upper()}_FALLBACK")
+        with hanzo_torch.ops.use_reference(op, enabled=False):
+            fast = fn()
+        assert op in hanzo_torch.backends.activate("cpu")  # the C++ kernel is the CPU kernel of the op
+        with hanzo_torch.ops.use_reference(op):
+            slow = fn()
         return fast, slow
 
     return run
@@ -285,40 +283,9 @@ def test_moe_route(dtype, normalize, both_paths):
 
 
 def test_fallback_when_extension_missing(monkeypatch):
-    monkeypatch.setattr(cf, "_ops", None)
-    monkeypatch.setattr(cf, "_kernels", lambda: None)
+    monkeypatch.setattr(cf, "_kernel", lambda name: None)
     x = torch.randn(3, 16, generator=g())
     w = torch.randn(16, generator=g(1))
     assert torch.equal(cf.rms_norm(x, w, 1e-6), ref.rms_norm_reference(x, w, 1e-6))
 
 
-# ------------------------------------------------------------------------------------ direct CPU dispatch
-def test_direct_dispatch_keeps_checks_and_fallback(monkeypatch):
-    assert {"mul_mat", "attention", "kv_cache_write", "rms_norm"} <= set(cf.DIRECT_DISPATCH_OPS)
-    x = torch.randn(2, 16, generator=g())
-    with pytest.raises(ValueError, match="w must be"):
-        torch.ops.hanzo.rms_norm(x, torch.ones(15), 1e-6)
-    kc = torch.zeros(1, 4, 1, 2)
-    with pytest.raises(ValueError, match="positions must be in"):
-        torch.ops.hanzo.kv_cache_write(kc, kc.clone(), torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2),
-                                       torch.tensor([[4]]))
-    calls = []
-    monkeypatch.setitem(_common._KERNELS, ("rms_norm", "cpu"),
-                        [(None, lambda *a: calls.append(1) or ref.rms_norm_reference(*a))])
-    torch.ops.hanzo.rms_norm(x, torch.ones(16), 1e-6)
-    assert calls == [1]  # the op body (kernel_for) still chooses the kernel
-    monkeypatch.setenv("HANZO_RMS_NORM_FALLBACK", "1")
-    torch.ops.hanzo.rms_norm(x, torch.ones(16), 1e-6)
-    assert calls == [1]
-
-
-def test_direct_dispatch_can_be_turned_off():
-    import subprocess
-    import sys
-
-    code = ("import hanzo_torch, torch; from hanzo_torch.backends.cpu import fused as f; "
-            "print(f.DIRECT_DISPATCH_OPS, torch.ops.hanzo.swiglu(torch.ones(3), torch.ones(3)).tolist())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "HANZO_CPU_DIRECT_DISPATCH": "0"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("[] [0.731")

@@ -248,18 +248,17 @@ def test_bad_inputs_raise_clear_errors(ext):
 
 
 def test_ops_dispatch_and_fallback_ab(ext, monkeypatch):
-    """torch.ops.hanzo.* run the C++ kernels on CPU; HANZO_<OP>_FALLBACK=1 selects the reference (one process)."""
+    """torch.ops.hanzo.* run the C++ kernels on CPU; use_reference selects the reference (one process)."""
     K, N = 512, 8
     w = random_blocks("Q6_K", N, K, seed=7)
     x = torch.randn(2, K, dtype=torch.bfloat16)
     fast = torch.ops.hanzo.mul_mat(x, w, "Q6_K")
     assert torch.equal(fast, hcpu.mul_mat(x, w, "Q6_K"))
-    monkeypatch.setenv("HANZO_MUL_MAT_FALLBACK", "1")
-    slow = torch.ops.hanzo.mul_mat(x, w, "Q6_K")
+    with hanzo_torch.ops.use_reference("mul_mat"):
+        slow = torch.ops.hanzo.mul_mat(x, w, "Q6_K")
     assert torch.equal(slow, quant.mul_mat_reference(x, w, "Q6_K"))
     assert not torch.equal(fast, slow)  # different arithmetic: int8 activations vs float32
     torch.testing.assert_close(fast.float(), slow.float(), rtol=0.05, atol=0.05 * slow.float().abs().max().item())
-    monkeypatch.delenv("HANZO_MUL_MAT_FALLBACK")
     ids = torch.tensor([[1, 0]])
     emb = torch.ops.hanzo.get_rows(w, ids, "Q6_K", torch.float32)
     assert torch.equal(emb, quant.get_rows_reference(w, ids, "Q6_K", torch.float32))

@@ -124,9 +124,9 @@ def zoo(tmp_path_factory):
 
 
 @pytest.fixture
-def references(monkeypatch):
-    for op in FALLBACK_OPS:
-        monkeypatch.setenv(f"HANZO_{op.upper()}_FALLBACK", "1")
+def references():
+    with hanzo_torch.ops.use_reference(*FALLBACK_OPS):
+        yield
 
 
 def greedy(model, prompt: torch.Tensor, n: int) -> torch.Tensor:

@@ -18,7 +18,6 @@ from gguf import quants as gguf_quants
 
 import hanzo_torch
 from hanzo_torch import FORMATS, QUANTIZED_FORMATS, get_format
-from hanzo_torch.ops import _common
 from hanzo_torch.ops import quant as Q
 
 ALL_FORMATS = tuple(FORMATS)
@@ -32,8 +31,8 @@ def references_only(monkeypatch):
     """These tests are the oracle of the references: HANZO_<OP>_FALLBACK=1 for every quantized op, so a
     fast backend registered on this machine does not change what is tested (backends have their own
     gates against these references)."""
-    for op in Q.OPS:
-        monkeypatch.setenv(f"HANZO_{op.upper()}_FALLBACK", "1")
+    with hanzo_torch.ops.use_reference(*Q.OPS):
+        yield
 
 
 # ---------------------------------------------------------------------- test data
@@ -410,24 +409,21 @@ def test_fake_kernels_check_shapes():
 
 
 # ---------------------------------------------------------------------- backend dispatch
-def test_dispatch_uses_registered_kernel_and_fallback_env(monkeypatch):
-    calls = []
-
-    def fake_kernel(x, w, qtype):
-        calls.append(qtype)
-        return Q.mul_mat_reference(x, w, qtype) + 1.0
-
-    monkeypatch.delenv("HANZO_MUL_MAT_FALLBACK")
-    monkeypatch.setitem(_common._KERNELS, ("mul_mat", "cpu"), [(frozenset({"Q8_0"}), fake_kernel)])
+def test_reference_mode_switches_the_native_kernel():
+    """``use_reference`` routes a call to ``torch.ops.hanzo_ref`` on every backend; outside it the
+    native kernel of the device runs (the C++ one here: int8 activations, so not bit-identical)."""
     w = random_packed("Q8_0", (4, 64))
     x = torch.randn(2, 64)
     ref = Q.mul_mat_reference(x, w, "Q8_0")
-    assert torch.equal(torch.ops.hanzo.mul_mat(x, w, "Q8_0"), ref + 1.0) and calls == ["Q8_0"]
-    # a format the kernel does not list goes to the reference
-    w16 = hanzo_torch.quantize(torch.randn(4, 64), "F16")
-    assert torch.equal(torch.ops.hanzo.mul_mat(x, w16, "F16"), Q.mul_mat_reference(x, w16, "F16"))
-    monkeypatch.setenv("HANZO_MUL_MAT_FALLBACK", "1")
-    assert torch.equal(torch.ops.hanzo.mul_mat(x, w, "Q8_0"), ref) and calls == ["Q8_0"]
+    assert torch.equal(torch.ops.hanzo.mul_mat(x, w, "Q8_0"), ref)  # this module's fixture: reference mode
+    assert torch.equal(torch.ops.hanzo_ref.mul_mat(x, w, "Q8_0"), ref)
+    with hanzo_torch.ops.use_reference("mul_mat", enabled=False):
+        native = torch.ops.hanzo.mul_mat(x, w, "Q8_0")
+    if "mul_mat" in hanzo_torch.backends.activate("cpu"):
+        assert not torch.equal(native, ref)
+    torch.testing.assert_close(native, ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+    with pytest.raises(ValueError, match="unknown hanzo op"):
+        hanzo_torch.ops.set_reference("mul_mat_typo")
 
 
 # ---------------------------------------------------------------------- real weights

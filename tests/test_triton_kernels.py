@@ -30,7 +30,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hanzo_torch.ops import _common  # noqa: E402
+import hanzo_torch  # noqa: E402
 from hanzo_torch.ops import fused as ref_fused  # noqa: E402
 from hanzo_torch.ops import quant as ref_quant  # noqa: E402
 from hanzo_torch.backends.triton._testing import gguf_dequantize, matmul_bound, random_packed  # noqa: E402
@@ -84,10 +84,11 @@ def tk():
     """Namespace with the kernel modules (formats, quant, fused), verified to be interpreted."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from hanzo_torch.backends.triton import formats, fused, quant
+    import hanzo_torch.backends.triton as backend
+    from hanzo_torch.backends.triton import ffn, formats, fused, quant
 
     assert isinstance(quant._dequantize_kernel, InterpretedFunction), "TRITON_INTERPRET=1 was not in effect"
-    return types.SimpleNamespace(formats=formats, quant=quant, fused=fused)
+    return types.SimpleNamespace(formats=formats, quant=quant, fused=fused, ffn=ffn, backend=backend)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -436,21 +437,16 @@ def test_attention_ignores_slots_past_position(tk):
 
 # ------------------------------------------------------------------------------- dispatch
 
-@pytest.fixture
-def triton_on_cpu(tk):
-    """Register the interpreted kernels for device type "cpu" for one test (table restored after)."""
-    import hanzo_torch.backends.triton as backend
-
-    table = {key: list(v) for key, v in _common._KERNELS.items()}
-    try:
-        backend.register_kernels("cpu")
-        yield
-    finally:
-        _common._KERNELS.clear()
-        _common._KERNELS.update(table)
+def _wrapped(tk):
+    """The dispatcher kernels the backend registers on CUDA, built for CPU tensors (interpreter)."""
+    backend = tk.backend
+    fmts = frozenset(backend.supported_formats())
+    table = backend.kernels()
+    table["swiglu_mul_mat"] = tk.ffn.swiglu_mul_mat
+    return {op: backend.wrap(op, fn, fmts) for op, fn in table.items()}
 
 
-def test_ops_dispatch_to_triton_and_fallback_toggle(tk, triton_on_cpu, monkeypatch):
+def test_registered_kernel_routes_reference_mode(tk, monkeypatch):
     calls = []
     real = tk.quant._matvec_grouped_kernel
 
@@ -460,34 +456,33 @@ def test_ops_dispatch_to_triton_and_fallback_toggle(tk, triton_on_cpu, monkeypat
             return real[grid]
 
     monkeypatch.setattr(tk.quant, "_matvec_grouped_kernel", Spy())
+    mul_mat = _wrapped(tk)["mul_mat"]
     w = random_packed("Q6_K", (6, 256), seed=17)
     x = torch.randn(1, 256)
-    y = torch.ops.hanzo.mul_mat(x, w, "Q6_K")
+    y = mul_mat(x, w, "Q6_K")
     assert len(calls) == 1
     torch.testing.assert_close(y, ref_quant.mul_mat_reference(x, w, "Q6_K"), rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv("HANZO_MUL_MAT_FALLBACK", "1")
-    torch.ops.hanzo.mul_mat(x, w, "Q6_K")
+    with hanzo_torch.ops.use_reference("mul_mat"):
+        mul_mat(x, w, "Q6_K")
     assert len(calls) == 1  # the reference ran
-    assert _common.kernel_for("rms_norm", "cpu") is tk.fused.rms_norm
-    monkeypatch.setenv("HANZO_RMS_NORM_FALLBACK", "1")
-    assert _common.kernel_for("rms_norm", "cpu") is None
+    with pytest.raises(ValueError, match="not a multiple"):
+        mul_mat(torch.randn(1, 100), w, "Q6_K")  # the op's own checks run before the kernel
 
 
-def test_every_op_body_runs_its_triton_kernel(tk, triton_on_cpu):
-    # The op bodies (torch.ops.hanzo.*) call the registered kernels with their own argument
-    # order; each op is run once through its kernel and compared with its reference.
+def test_every_registered_kernel_matches_its_reference(tk):
+    # The dispatcher kernels receive the op's arguments in schema order; each op is run once
+    # through its kernel and compared with its reference.
     called = []
-    for (op, dev), entries in _common._KERNELS.items():
-        if dev == "cpu":
-            qtypes, fn = entries[0]
+    ops = {}
+    for op, fn in _wrapped(tk).items():
+        def spy(*a, _fn=fn, _op=op):
+            called.append(_op)
+            return _fn(*a)
 
-            def spy(*a, _fn=fn, _op=op):
-                called.append(_op)
-                return _fn(*a)
-
-            entries[0] = (qtypes, spy)
+        ops[op] = spy
+    ops = types.SimpleNamespace(**ops)
     g = torch.Generator().manual_seed(18)
-    ops, rq, rf = torch.ops.hanzo, ref_quant, ref_fused
+    rq, rf = ref_quant, ref_fused
     w = random_packed("Q4_K", (6, 256), seed=18)
     we = random_packed("Q4_K", (3, 6, 256), seed=19)
     x = torch.randn(2, 256, generator=g)
@@ -517,18 +512,14 @@ def test_every_op_body_runs_its_triton_kernel(tk, triton_on_cpu):
     assert torch.equal(kc[0, 3:5], k[0]) and torch.equal(vc[0, 3:5], k[0])
     torch.testing.assert_close(ops.attention(q, kc, vc, pos, 0.25, "auto"),
                                rf.attention_reference(q, kc, vc, pos, 0.25, "auto"), **close)
-    import hanzo_torch.backends.triton as backend
-
+    backend = tk.backend
     assert sorted(set(called)) == sorted(backend.QUANT_OPS + backend.PLAIN_OPS)
 
 
-def test_registration_covers_every_op_and_format(tk, triton_on_cpu):
-    import hanzo_torch.backends.triton as backend
-
-    reg = _common.registered_kernels()
-    for op in backend.QUANT_OPS + backend.PLAIN_OPS:
-        assert (op, "cpu") in reg, op
-    assert set(ALL_FORMATS) <= set(reg[("mul_mat", "cpu")][0])
+def test_registration_covers_every_op_and_format(tk):
+    backend = tk.backend
+    assert set(backend.QUANT_OPS + backend.PLAIN_OPS) <= set(_wrapped(tk))
+    assert set(ALL_FORMATS) <= set(backend.supported_formats())
     assert {"Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "F16", "BF16", "F32", "IQ2_XXS", "TQ1_0", "MXFP4"} <= set(ALL_FORMATS)
 
 

@@ -53,12 +53,12 @@ def load(
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    if device.type == "cpu":
-        # Build (or load from the cache) the C++ CPU kernels now, so a first build is part of
-        # loading, not of the first forward's timing. Without a compiler this warns once.
-        from ..backends import cpu as cpu_backend
+    from .. import backends
 
-        cpu_backend.extension()
+    backends.check_environment()
+    # The kernels of the device's backends (a first build of the C++ CPU kernels) belong to
+    # loading, not to the first forward's timing.
+    backends.activate(device.type)
     f = GGUFFile(path, dtype=dtype)
     args = ModelArgs.from_gguf(f)
     if max_context is None:

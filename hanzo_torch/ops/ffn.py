@@ -6,12 +6,10 @@ the two projections lets a backend read the activation once for both weights and
 ``silu * up`` epilogue in registers (``../shared/DESIGN.md`` section 5, "gate+up sharing one
 quantized activation").
 
-Dispatch follows docs/ARCHITECTURE.md: the op body asks
-:func:`hanzo_torch.ops._common.kernel_for` for a kernel registered for the input's device type
-that handles *both* formats (Triton on CUDA/ROCm: :mod:`hanzo_torch.backends.triton.ffn`; C++ on the
-CPU for the 22 quantized formats), else it runs :func:`swiglu_mul_mat_reference`, the unfused
-composition of ``hanzo::mul_mat`` (twice) and ``hanzo::swiglu``.
-``HANZO_SWIGLU_MUL_MAT_FALLBACK=1`` forces the reference.
+Dispatch follows docs/ARCHITECTURE.md: a backend's kernel on the device's dispatch key (Triton on
+CUDA/ROCm: :mod:`hanzo_torch.backends.triton.ffn`; C++ on the CPU) runs when it handles *both*
+formats, else :func:`swiglu_mul_mat_reference`, the unfused composition of ``hanzo::mul_mat``
+(twice) and ``hanzo::swiglu``. ``HANZO_SWIGLU_MUL_MAT_FALLBACK=1`` forces the reference.
 
 CPU: ``hanzo_torch.backends.cpu.swiglu_mul_mat`` (csrc/cpu/ops.cpp) quantizes x once per block size
 and computes each thread's range of gate rows, up rows and the epilogue in one parallel region,
@@ -22,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _common
+from . import _dispatch
 from .quant import _check_act, _check_packed, _check_row_length, _check_same_device, get_format
 
 __all__ = ["OPS", "swiglu_mul_mat_reference"]
@@ -66,14 +64,6 @@ def swiglu_mul_mat_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.
     return ops.swiglu(ops.mul_mat(x, w_gate, qtype_gate), ops.mul_mat(x, w_up, qtype_up))
 
 
-def _kernel(device_type: str, qtype_gate: str, qtype_up: str):
-    # a kernel registered for the device that handles both formats, or None
-    fn = _common.kernel_for(_OP, device_type, qtype_gate)
-    if fn is None or _common.kernel_for(_OP, device_type, qtype_up) is not fn:
-        return None
-    return fn
-
-
 @torch.library.custom_op(
     "hanzo::swiglu_mul_mat", mutates_args=(),
     schema="(Tensor x, Tensor w_gate, Tensor w_up, str qtype_gate, str qtype_up) -> Tensor",
@@ -93,12 +83,18 @@ def swiglu_mul_mat(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
             bytes not matching K, gate and up widths F differing, tensors on different devices.
         KeyError/ValueError: an unknown format name (from the format registry).
     """
+    return _dispatch.default(_OP, x.device.type, _swiglu_mul_mat_checked, x, w_gate, w_up, qtype_gate, qtype_up)
+
+
+def _swiglu_mul_mat_checked(x, w_gate, w_up, qtype_gate, qtype_up):
+    check_args(_OP, x, w_gate, w_up, qtype_gate, qtype_up)
+    return swiglu_mul_mat_reference(x, w_gate, w_up, qtype_gate, qtype_up)
+
+
+def check_args(op: str, x, w_gate, w_up, qtype_gate, qtype_up) -> None:
+    """The checks of ``hanzo::swiglu_mul_mat`` (shapes, dtypes, devices); raises ValueError."""
     _check_swiglu_mul_mat(x, w_gate, w_up, qtype_gate, qtype_up)
     _check_same_device(_OP, x, w_gate, w_up)
-    fn = _kernel(x.device.type, qtype_gate, qtype_up)
-    if fn is not None:
-        return fn(x, w_gate, w_up, qtype_gate, qtype_up)
-    return swiglu_mul_mat_reference(x, w_gate, w_up, qtype_gate, qtype_up)
 
 
 @swiglu_mul_mat.register_fake
@@ -130,3 +126,4 @@ def _backward(ctx, grad):
 
 
 swiglu_mul_mat.register_autograd(_backward, setup_context=_setup_context)
+_dispatch.define_reference_op(_OP, _swiglu_mul_mat_checked)

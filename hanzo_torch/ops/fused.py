@@ -1,9 +1,9 @@
 """Fused transformer ops: MoE routing, RMSNorm (+add), q/k-norm + RoPE, SwiGLU, KV-cache write, attention.
 
 Each op is a ``torch.library`` custom op in namespace ``hanzo`` with a fake kernel and a
-vectorized-torch reference that runs on any device. The op body asks
-:func:`hanzo_torch.ops._common.kernel_for` for a fast kernel of the input's device and falls back
-to the reference; ``HANZO_<OP>_FALLBACK=1`` forces the reference.
+vectorized-torch reference that runs on any device; a backend's kernel registered on the
+device's dispatch key runs instead where there is one (:mod:`hanzo_torch.ops._dispatch`), and
+``HANZO_<OP>_FALLBACK=1`` or :func:`hanzo_torch.ops.use_reference` forces the reference.
 
 Statistics (norms, softmax, RoPE angles, attention scores, P*V) are computed in float32 whatever
 the activation dtype; results are returned in the input's dtype.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import kernel_for
+from . import _dispatch as _dispatcher
 
 __all__ = [
     "moe_route_reference",
@@ -47,10 +47,6 @@ def _check(cond: bool, op: str, msg) -> None:
 
 def _check_float(t: Tensor, op: str, name: str) -> None:
     _check(t.dtype in _FLOAT_TYPES, op, lambda: f"{name} must be float32/float16/bfloat16, got {t.dtype}")
-
-
-def _dispatch(op: str, t: Tensor):
-    return kernel_for(op, t.device.type)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,11 +85,7 @@ def moe_route(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
     Raises:
         ValueError: bad shape, dtype or k.
     """
-    _check_moe_route(logits, k)
-    fn = _dispatch("moe_route", logits)
-    if fn is not None:
-        return fn(logits, k, normalize)
-    return moe_route_reference(logits, k, normalize)
+    return _dispatcher.default("moe_route", logits.device.type, _moe_route_checked, logits, k, normalize)
 
 
 @moe_route.register_fake
@@ -135,11 +127,7 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     Raises:
         ValueError: shape or dtype mismatch.
     """
-    _check_norm("rms_norm", x, w)
-    fn = _dispatch("rms_norm", x)
-    if fn is not None:
-        return fn(x, w, eps)
-    return rms_norm_reference(x, w, eps)
+    return _dispatcher.default("rms_norm", x.device.type, _rms_norm_checked, x, w, eps)
 
 
 @rms_norm.register_fake
@@ -175,11 +163,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Te
     Raises:
         ValueError: shape or dtype mismatch.
     """
-    _check_add_norm(x, residual, w)
-    fn = _dispatch("add_rms_norm", x)
-    if fn is not None:
-        return fn(x, residual, w, eps)
-    return add_rms_norm_reference(x, residual, w, eps)
+    return _dispatcher.default("add_rms_norm", x.device.type, _add_rms_norm_checked, x, residual, w, eps)
 
 
 @add_rms_norm.register_fake
@@ -258,11 +242,7 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_w: Optional[Tensor], k_w: Optional[Tens
     Raises:
         ValueError: shape or dtype mismatch.
     """
-    _check_qk(q, k, q_w, k_w, positions)
-    fn = _dispatch("qk_norm_rope", q)
-    if fn is not None:
-        return fn(q, k, q_w, k_w, positions, theta, eps)
-    return qk_norm_rope_reference(q, k, q_w, k_w, positions, theta, eps)
+    return _dispatcher.default("qk_norm_rope", q.device.type, _qk_norm_rope_checked, q, k, q_w, k_w, positions, theta, eps)
 
 
 @qk_norm_rope.register_fake
@@ -292,11 +272,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     Raises:
         ValueError: shape or dtype mismatch.
     """
-    _check_swiglu(gate, up)
-    fn = _dispatch("swiglu", gate)
-    if fn is not None:
-        return fn(gate, up)
-    return swiglu_reference(gate, up)
+    return _dispatcher.default("swiglu", gate.device.type, _swiglu_checked, gate, up)
 
 
 @swiglu.register_fake
@@ -353,13 +329,7 @@ def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, posit
     Raises:
         ValueError: shape/dtype mismatch, or (on CPU) a position outside the cache.
     """
-    _check_kv(k_cache, v_cache, k, v, positions)
-    _check_positions_in_range("kv_cache_write", positions, k_cache.shape[1])
-    fn = _dispatch("kv_cache_write", k)
-    if fn is not None:
-        fn(k_cache, v_cache, k, v, positions)
-        return
-    kv_cache_write_reference(k_cache, v_cache, k, v, positions)
+    _dispatcher.default("kv_cache_write", k.device.type, _kv_cache_write_checked, k_cache, v_cache, k, v, positions)
 
 
 @kv_cache_write.register_fake
@@ -466,15 +436,69 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, sc
     Raises:
         ValueError: shape/dtype mismatch, bad impl, or (on CPU) a position outside the cache.
     """
-    _check_attention(q, k_cache, v_cache, positions, impl)
-    _check_positions_in_range("attention", positions, k_cache.shape[1])
-    fn = _dispatch("attention", q)
-    if fn is not None:
-        return fn(q, k_cache, v_cache, positions, scale, impl)
-    return attention_reference(q, k_cache, v_cache, positions, scale, impl)
+    return _dispatcher.default("attention", q.device.type, _attention_checked, q, k_cache, v_cache, positions, scale, impl)
 
 
 @attention.register_fake
 def _(q, k_cache, v_cache, positions, scale, impl):
     _check_attention(q, k_cache, v_cache, positions, impl)
     return torch.empty_like(q)
+
+
+# ----------------------------------------------------------------------------------------------
+# references as ops (torch.ops.hanzo_ref.<op>) and the argument checks by op name
+# ----------------------------------------------------------------------------------------------
+def _moe_route_checked(logits, k, normalize):
+    _check_moe_route(logits, k)
+    return moe_route_reference(logits, k, normalize)
+
+
+def _rms_norm_checked(x, w, eps):
+    _check_norm("rms_norm", x, w)
+    return rms_norm_reference(x, w, eps)
+
+
+def _add_rms_norm_checked(x, residual, w, eps):
+    _check_add_norm(x, residual, w)
+    return add_rms_norm_reference(x, residual, w, eps)
+
+
+def _qk_norm_rope_checked(q, k, q_w, k_w, positions, theta, eps):
+    _check_qk(q, k, q_w, k_w, positions)
+    return qk_norm_rope_reference(q, k, q_w, k_w, positions, theta, eps)
+
+
+def _swiglu_checked(gate, up):
+    _check_swiglu(gate, up)
+    return swiglu_reference(gate, up)
+
+
+def _attention_checked(q, k_cache, v_cache, positions, scale, impl):
+    _check_attention(q, k_cache, v_cache, positions, impl)
+    _check_positions_in_range("attention", positions, k_cache.shape[1])
+    return attention_reference(q, k_cache, v_cache, positions, scale, impl)
+
+
+def _kv_cache_write_checked(k_cache, v_cache, k, v, positions):
+    _check_kv(k_cache, v_cache, k, v, positions)
+    _check_positions_in_range("kv_cache_write", positions, k_cache.shape[1])
+    kv_cache_write_reference(k_cache, v_cache, k, v, positions)
+
+
+for _name in ("moe_route", "rms_norm", "add_rms_norm", "qk_norm_rope", "swiglu", "kv_cache_write", "attention"):
+    _dispatcher.define_reference_op(_name, globals()[f"_{_name}_checked"])
+
+_CHECKS = {
+    "moe_route": lambda logits, k, normalize: _check_moe_route(logits, k),
+    "rms_norm": lambda x, w, eps: _check_norm("rms_norm", x, w),
+    "add_rms_norm": lambda x, residual, w, eps: _check_add_norm(x, residual, w),
+    "qk_norm_rope": lambda q, k, q_w, k_w, positions, theta, eps: _check_qk(q, k, q_w, k_w, positions),
+    "swiglu": lambda gate, up: _check_swiglu(gate, up),
+    "kv_cache_write": lambda k_cache, v_cache, k, v, positions: _check_kv(k_cache, v_cache, k, v, positions),
+    "attention": lambda q, k_cache, v_cache, positions, scale, impl: _check_attention(q, k_cache, v_cache, positions, impl),
+}
+
+
+def check_args(op: str, *args) -> None:
+    """Run ``op``'s argument checks (shapes and dtypes, as its fake kernel does); raises its ValueError."""
+    _CHECKS[op](*args)

@@ -2,8 +2,8 @@
 
 Each op is a ``torch.library.custom_op`` with the schema of docs/ARCHITECTURE.md, a fake
 (meta) kernel that checks shapes and dtypes, and a default body that runs the fast kernel a
-backend registered for the device type and format (:func:`hanzo_torch.ops._common.kernel_for`)
-or else the vectorized-torch reference below. ``HANZO_<OP>_FALLBACK=1`` (for example
+backend registered on the device's dispatch key (:mod:`hanzo_torch.ops._dispatch`), or else the
+vectorized-torch reference below. ``HANZO_<OP>_FALLBACK=1`` (for example
 ``HANZO_MUL_MAT_FALLBACK=1``) forces the reference.
 
 The references (:func:`dequantize_reference`, :func:`quantize_q8_1_reference`,
@@ -23,7 +23,7 @@ import torch
 
 from .. import formats as _formats
 from ..formats import Format, get_format
-from . import _common
+from . import _dispatch
 
 __all__ = [
     "OPS",
@@ -304,22 +304,16 @@ def get_rows_reference(w: torch.Tensor, ids: torch.Tensor, qtype: str, dtype: to
 
 
 # ---------------------------------------------------------------------- the custom ops
-def _run(op: str, device: torch.device, qtype: Optional[str], reference, *args):
-    fn = _common.kernel_for(op, device.type, qtype)
-    return fn(*args) if fn is not None else reference(*args)
-
-
 @torch.library.custom_op(
     "hanzo::dequantize", mutates_args=(),
     schema="(Tensor data, str qtype, SymInt[] shape, ScalarType dtype) -> Tensor",
 )
 def dequantize(data: torch.Tensor, qtype: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """``torch.ops.hanzo.dequantize``: see :func:`dequantize_reference`."""
-    return _run("dequantize", data.device, qtype, dequantize_reference, data, qtype, shape, dtype)
+    return _dispatch.default("dequantize", data.device.type, dequantize_reference, data, qtype, shape, dtype)
 
 
-@dequantize.register_fake
-def _dequantize_fake(data, qtype, shape, dtype):
+def _check_dequantize_args(data, qtype, shape, dtype) -> None:
     fmt = get_format(qtype)
     if data.dtype != torch.uint8:
         raise ValueError(f"dequantize: packed data must be uint8, got {data.dtype}")
@@ -329,14 +323,23 @@ def _dequantize_fake(data, qtype, shape, dtype):
     want = math.prod(shape[:-1]) * fmt.row_bytes(shape[-1])
     torch._check(data.numel() == want,
                  lambda: f"dequantize: {fmt.name} tensor of shape {list(shape)} needs {want} bytes")
+
+
+@dequantize.register_fake
+def _dequantize_fake(data, qtype, shape, dtype):
+    _check_dequantize_args(data, qtype, shape, dtype)
     return data.new_empty(tuple(shape), dtype=dtype)
 
 
 @torch.library.custom_op("hanzo::quantize_q8_1", mutates_args=(), schema="(Tensor x) -> Tensor")
 def quantize_q8_1(x: torch.Tensor) -> torch.Tensor:
     """``torch.ops.hanzo.quantize_q8_1``: see :func:`quantize_q8_1_reference`."""
+    return _dispatch.default("quantize_q8_1", x.device.type, _quantize_q8_1_checked, x)
+
+
+def _quantize_q8_1_checked(x: torch.Tensor) -> torch.Tensor:
     _check_q8_1(x)
-    return _run("quantize_q8_1", x.device, None, quantize_q8_1_reference, x)
+    return quantize_q8_1_reference(x)
 
 
 def _check_q8_1(x: torch.Tensor) -> None:
@@ -354,9 +357,7 @@ def _quantize_q8_1_fake(x):
 @torch.library.custom_op("hanzo::mul_mat", mutates_args=(), schema="(Tensor x, Tensor w, str qtype) -> Tensor")
 def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
     """``torch.ops.hanzo.mul_mat``: ``x [..., K] @ W^T -> [..., N]``, see :func:`mul_mat_reference`."""
-    _check_mul_mat(x, w, qtype)
-    _check_same_device("mul_mat", x, w)
-    return _run("mul_mat", x.device, qtype, mul_mat_reference, x, w, qtype)
+    return _dispatch.default("mul_mat", x.device.type, mul_mat_reference, x, w, qtype)
 
 
 @mul_mat.register_fake
@@ -370,9 +371,7 @@ def _mul_mat_fake(x, w, qtype):
 )
 def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) -> torch.Tensor:
     """``torch.ops.hanzo.mul_mat_id``: ``[T, k, N]`` rows of experts by id, see :func:`mul_mat_id_reference`."""
-    _check_mul_mat_id(x, w, ids, qtype)
-    _check_same_device("mul_mat_id", x, w, ids)
-    return _run("mul_mat_id", x.device, qtype, mul_mat_id_reference, x, w, ids, qtype)
+    return _dispatch.default("mul_mat_id", x.device.type, mul_mat_id_reference, x, w, ids, qtype)
 
 
 @mul_mat_id.register_fake
@@ -386,14 +385,18 @@ def _mul_mat_id_fake(x, w, ids, qtype):
 )
 def get_rows(w: torch.Tensor, ids: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
     """``torch.ops.hanzo.get_rows``: ``[..., H]`` dequantized rows ``ids``, see :func:`get_rows_reference`."""
-    return _run("get_rows", w.device, qtype, get_rows_reference, w, ids, qtype, dtype)
+    return _dispatch.default("get_rows", w.device.type, get_rows_reference, w, ids, qtype, dtype)
+
+
+def _check_get_rows(w, ids, qtype) -> int:
+    _check_packed(w, 2, "get_rows", "2-D [V, row_bytes]")
+    _check_ids_dtype(ids, "get_rows")
+    return _fmt_and_row_length(qtype, w.shape[1], "get_rows")[1]
 
 
 @get_rows.register_fake
 def _get_rows_fake(w, ids, qtype, dtype):
-    _check_packed(w, 2, "get_rows", "2-D [V, row_bytes]")
-    _check_ids_dtype(ids, "get_rows")
-    _, H = _fmt_and_row_length(qtype, w.shape[1], "get_rows")
+    H = _check_get_rows(w, ids, qtype)
     return w.new_empty(*ids.shape, H, dtype=dtype)
 
 
@@ -450,3 +453,36 @@ def _mul_mat_id_backward(ctx, grad):
 
 
 mul_mat_id.register_autograd(_mul_mat_id_backward, setup_context=_mul_mat_id_setup_context)
+
+
+# ---------------------------------------------------------------------- references as ops
+# torch.ops.hanzo_ref.<op>: each reference with the op's checks, callable by name from native
+# kernels (for calls their fast paths do not cover) and from tests.
+for _name, _fn in (("dequantize", dequantize_reference), ("quantize_q8_1", _quantize_q8_1_checked),
+                   ("mul_mat", mul_mat_reference), ("mul_mat_id", mul_mat_id_reference),
+                   ("get_rows", get_rows_reference)):
+    _dispatch.define_reference_op(_name, _fn)
+
+
+def check_args(op: str, *args) -> None:
+    """Run ``op``'s argument checks (the ones its fake kernel and reference run); raises their errors."""
+    _CHECKS[op](*args)
+
+
+def _check_mul_mat_args(x, w, qtype):
+    _check_mul_mat(x, w, qtype)
+    _check_same_device("mul_mat", x, w)
+
+
+def _check_mul_mat_id_args(x, w, ids, qtype):
+    _check_mul_mat_id(x, w, ids, qtype)
+    _check_same_device("mul_mat_id", x, w, ids)
+
+
+def _check_get_rows_args(w, ids, qtype, dtype):
+    _check_get_rows(w, ids, qtype)
+    _check_same_device("get_rows", w, ids)
+
+
+_CHECKS = {"dequantize": _check_dequantize_args, "quantize_q8_1": _check_q8_1, "mul_mat": _check_mul_mat_args,
+           "mul_mat_id": _check_mul_mat_id_args, "get_rows": _check_get_rows_args}

@@ -1,7 +1,9 @@
 """C++ CPU kernels for the quantized ``hanzo`` ops (``csrc/cpu/``).
 
-Importing this package only registers the kernels with :mod:`hanzo_torch.ops._common` (cheap);
-the extension is compiled on the FIRST call of a kernel with ``torch.utils.cpp_extension.load``
+Importing this package is cheap. :func:`register` (called by :func:`hanzo_torch.backends.activate`
+on the first ``hanzo`` op call on a CPU tensor) loads the extension, whose kernels register
+themselves on torch's CPU dispatch key (``TORCH_LIBRARY_IMPL`` in csrc/cpu/ops.cpp). The
+extension is compiled on first use with ``torch.utils.cpp_extension.load``
 (ninja, about 1-2 minutes on 2 cores) and cached in ``~/.cache/hanzo-torch/ext/<hash>`` keyed by
 a hash of the sources, their folder, the torch version and install folder, and the compiler, so
 later processes load it in well under a second. ``python -m hanzo_torch.backends.cpu`` builds it ahead of time.
@@ -30,6 +32,7 @@ scale (block max / 127) of the block holding ``x_k`` (see tests/test_cpu_kernels
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -41,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from ...ops import _common
+from ...ops import _dispatch
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build"]
@@ -131,7 +134,20 @@ def build(verbose: bool = False):
         if not verbose and not any(build_dir.glob("*.so")):
             print(f"hanzo-torch: compiling the C++ CPU kernels (once, about 1-2 minutes; cached in {build_dir})",
                   file=sys.stderr, flush=True)
-        ext = load(
+        with warnings.catch_warnings():
+            # the extension replaces kv_cache_write's Python ADInplaceOrView kernel on purpose
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            ext = _load_ext(load, key, build_dir, verbose)
+        _check_layouts(ext)
+        _install_grids(ext)
+        _ext = ext
+        _failed = None
+    _configure(ext)  # outside the lock: the ISA self-check calls extension()
+    return ext
+
+
+def _load_ext(load, key, build_dir, verbose):
+    return load(
             name=f"hanzo_cpu_{key}",
             sources=[str(_SRC_DIR / s) for s in _SOURCES],
             extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
@@ -139,18 +155,6 @@ def build(verbose: bool = False):
             build_directory=str(build_dir),
             verbose=verbose,
         )
-        _check_layouts(ext)
-        _install_grids(ext)
-        _ext = ext
-        _failed = None
-    from .fused import install_fast_paths  # outside the lock: it asks default_isa(), which may build
-
-    try:
-        install_fast_paths(ext, _choose_isa(""), MV_MAX_ROWS)
-    except Exception as e:  # the Python op bodies keep running the same kernels, only slower
-        warnings.warn(f"hanzo_torch: the C++ dispatch of the CPU ops could not be installed ({e}); "
-                      "using the Python op bodies", RuntimeWarning, stacklevel=2)
-    return ext
 
 
 def extension():
@@ -218,17 +222,26 @@ def _self_check(ext, level: int) -> bool:
     return ok
 
 
-_default_isa_cache: dict = {}
+_FORCED_ISA = os.environ.get("HANZO_CPU_ISA", "").strip().lower()  # read once, at import
+_default_level: Optional[int] = None
+
+
+def check_environment() -> None:
+    """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set (cheap: no build, no CPU probe).
+
+    Called before long work (model load, download) so a typo is reported first.
+    """
+    if _FORCED_ISA and _FORCED_ISA not in _ISA_BY_NAME:
+        raise ValueError(f"HANZO_CPU_ISA={_FORCED_ISA!r}: expected one of {', '.join(_ISA_BY_NAME)}")
 
 
 def default_isa() -> int:
-    """The ISA level used by default: ``HANZO_CPU_ISA`` if set, else the best this CPU runs that
-    passes a one-time self-check against the scalar path (cached per value of the variable)."""
-    forced = os.environ.get("HANZO_CPU_ISA", "")
-    level = _default_isa_cache.get(forced)
-    if level is None:
-        level = _default_isa_cache[forced] = _choose_isa(forced)
-    return level
+    """The ISA level the registered kernels use: ``HANZO_CPU_ISA`` (read at import) if set, else the
+    best this CPU runs that passes a one-time self-check against the scalar path."""
+    global _default_level
+    if _default_level is None:
+        _default_level = _choose_isa(_FORCED_ISA)
+    return _default_level
 
 
 def _choose_isa(forced: str) -> int:
@@ -362,15 +375,73 @@ def dequantize(data: torch.Tensor, qtype: str, shape, dtype: torch.dtype, *, isa
     return out.reshape(shape).to(dtype)
 
 
-def _register() -> None:
-    if not _SRC_DIR.is_dir():  # installed without the C++ sources: nothing to register
-        return
-    _common.register_kernel("mul_mat", "cpu", mul_mat, qtypes=SUPPORTED_QTYPES)
-    _common.register_kernel("mul_mat_id", "cpu", mul_mat_id, qtypes=SUPPORTED_QTYPES)
-    _common.register_kernel("swiglu_mul_mat", "cpu", swiglu_mul_mat, qtypes=SUPPORTED_QTYPES)
-    _common.register_kernel("get_rows", "cpu", get_rows, qtypes=SUPPORTED_QTYPES)
-    _common.register_kernel("dequantize", "cpu", dequantize, qtypes=SUPPORTED_QTYPES)
-    from . import fused  # noqa: F401  registers rms_norm, attention, ... (csrc/cpu/fused.cpp)
+NAME = "cpu"
+DEVICE_TYPES = ("cpu",)
 
 
-_register()
+def _configure(ext) -> None:
+    """Hand the format table, ISA and reference modes to the kernels registered on the CPU key."""
+    from ...formats import FORMATS
+
+    ids = {tid for tid, _, _ in ext.formats()}
+    qtypes = {f.name: f.type_id for f in FORMATS.values() if f.type_id in ids}
+    lacking = [f.name for f in FORMATS.values() if not f.dense and f.name not in qtypes]
+    ext.configure(qtypes, lacking, int(default_isa()), int(MV_MAX_ROWS))
+    for op in _dispatch.reference_ops():
+        ext.set_reference(op, True)
+    if not _configured:
+        _configured.append(True)
+        _dispatch.on_reference_change(lambda op, on: ext.set_reference(op, on))
+
+
+_configured: list = []
+
+
+def formats() -> tuple[str, ...]:
+    """ggml names of the quantized formats with a C++ kernel (from the extension's own table;
+    dense F32/F16/BF16 weights run torch's GEMM)."""
+    from ...formats import get_format
+
+    ext = extension()
+    if ext is None:
+        return ()
+    return tuple(get_format(tid).name for tid, _, _ in ext.formats())
+
+
+def register() -> frozenset:
+    """Load the extension (building it once), which registers its kernels on the CPU dispatch key.
+
+    Returns the ops that now have a C++ kernel on CPU (empty if the extension cannot be built).
+    """
+    ext = extension()
+    return frozenset(ext.native_ops()) if ext is not None else frozenset()
+
+
+def status() -> dict:
+    """``{"available", "reason", "formats", "isa", "isa_levels"}`` of this backend (builds the extension)."""
+    ext = extension()
+    if ext is None:
+        return {"available": False, "reason": _failed or "the C++ extension could not be built", "formats": ()}
+    return {"available": True, "reason": None, "formats": formats(), "isa": ISA_NAMES[default_isa()],
+            "isa_levels": isa_levels()}
+
+
+@contextlib.contextmanager
+def use_isa(isa: str):
+    """Run the registered CPU kernels with instruction set ``isa`` ("scalar", "avx2", "avx512") inside the block.
+
+    Raises:
+        ValueError: unknown name, or an instruction set this CPU lacks.
+        RuntimeError: the extension cannot be built.
+    """
+    ext = extension()
+    if ext is None:
+        raise RuntimeError(f"the C++ CPU kernels are not available: {_failed}")
+    level = _isa(isa)
+    if level not in ext.supported_isas():
+        raise ValueError(f"this CPU does not run {isa}; it runs {', '.join(isa_levels())}")
+    ext.set_isa(level)
+    try:
+        yield
+    finally:
+        ext.set_isa(default_isa())

@@ -1,12 +1,10 @@
-"""C++ CPU kernels of the fused transformer ops (``csrc/cpu/fused.cpp``).
+"""C++ CPU kernels of the fused transformer ops (``csrc/cpu/fused.cpp``), called directly.
 
-They live in the same lazily built extension as the quantized kernels (built on first use,
-cached; see :mod:`hanzo_torch.backends.cpu`) and are registered with the torch dispatcher as
-``torch.ops.hanzo_cpu.*``. Each function here has the signature of its reference in
-:mod:`hanzo_torch.ops.fused` and is registered with
-``register_kernel(op, "cpu", fn)``, so ``torch.ops.hanzo.<op>`` runs it after its checks and
-``HANZO_<OP>_FALLBACK=1`` still selects the reference. If the extension cannot be built, the
-references run.
+These functions have the signatures of the references in :mod:`hanzo_torch.ops.fused` and run the
+C++ kernel itself (``torch.ops.hanzo_cpu.*``), whatever the dispatch state: for tests and
+benchmarks that want the kernel, not the op. ``torch.ops.hanzo.<op>`` on CPU tensors reaches the
+same kernels through the CPU dispatch key (csrc/cpu/ops.cpp). If the extension cannot be built,
+they run the references.
 
 Maths (float32 whatever the input dtype; one rounding to the input dtype at the end):
     rms_norm / add_rms_norm: one pass per row; ``x + residual`` is rounded to the input dtype
@@ -33,188 +31,60 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...ops import _common
 from ...ops import fused as _ref
 
-__all__ = ["rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route",
-           "OPS", "DIRECT_DISPATCH_OPS"]
+__all__ = ["rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route", "OPS"]
 
 OPS = ("rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route")
 
-_ops = None  # torch.ops.hanzo_cpu overloads, looked up once the extension is loaded
 
-
-def _kernels():
-    """``{name: OpOverload}`` of the C++ kernels, or None when the extension cannot be built."""
-    global _ops
-    if _ops is not None:
-        return _ops
+def _kernel(name: str):
     from . import extension
 
-    if extension() is None:
-        return None
-    ns = torch.ops.hanzo_cpu
-    _ops = {name: getattr(ns, name).default for name in OPS}
-    return _ops
+    return getattr(torch.ops.hanzo_cpu, name).default if extension() is not None else None
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    k = _ops or _kernels()
-    if k is None:
-        return _ref.rms_norm_reference(x, w, eps)
-    return k["rms_norm"](x, w, eps)
+    k = _kernel("rms_norm")
+    return _ref.rms_norm_reference(x, w, eps) if k is None else k(x, w, eps)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    k = _ops or _kernels()
-    if k is None:
-        return _ref.add_rms_norm_reference(x, residual, w, eps)
-    return k["add_rms_norm"](x, residual, w, eps)
+    k = _kernel("add_rms_norm")
+    return _ref.add_rms_norm_reference(x, residual, w, eps) if k is None else k(x, residual, w, eps)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    k = _ops or _kernels()
-    if k is None:
-        return _ref.swiglu_reference(gate, up)
-    return k["swiglu"](gate, up)
+    k = _kernel("swiglu")
+    return _ref.swiglu_reference(gate, up) if k is None else k(gate, up)
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor], positions: Tensor,
                  theta: float, eps: float) -> tuple[Tensor, Tensor]:
-    ops = _ops or _kernels()
-    if ops is None:
+    op = _kernel("qk_norm_rope")
+    if op is None:
         return _ref.qk_norm_rope_reference(q, k, q_w, k_w, positions, theta, eps)
-    return ops["qk_norm_rope"](q, k, q_w, k_w, positions, theta, eps)
+    return op(q, k, q_w, k_w, positions, theta, eps)
 
 
 def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
-    ops = _ops or _kernels()
-    if ops is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    op = _kernel("kv_cache_write")
+    if op is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         _ref.kv_cache_write_reference(k_cache, v_cache, k, v, positions)
         return
-    ops["kv_cache_write"](k_cache, v_cache, k, v, positions)
+    op(k_cache, v_cache, k, v, positions)
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, scale: float,
               impl: str = "auto") -> Tensor:
-    ops = _ops or _kernels()
-    if ops is None:
+    op = _kernel("attention")
+    if op is None:
         return _ref.attention_reference(q, k_cache, v_cache, positions, scale, impl)
-    return ops["attention"](q, k_cache, v_cache, positions, scale)
+    return op(q, k_cache, v_cache, positions, scale)
 
 
 def moe_route(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
-    ops = _ops or _kernels()
-    if ops is None:
+    op = _kernel("moe_route")
+    if op is None:
         return _ref.moe_route_reference(logits, k, normalize)
-    # torch's softmax (one op) keeps the weights bit-identical to the reference's; the C++ kernel
-    # replaces the sort, slicing and renormalization
-    return ops["moe_route"](torch.softmax(logits.float(), dim=-1), k, normalize)
-
-
-def _register() -> None:
-    for name in OPS:
-        _common.register_kernel(name, "cpu", globals()[name])
-
-
-# ----------------------------------------------------------------------------------------------
-# Direct CPU dispatch of the hanzo custom ops
-# ----------------------------------------------------------------------------------------------
-_DIRECT_LIBS: Optional[dict] = None  # op name -> the torch.library.Library holding its CPU kernel
-_BODIES: dict = {}  # op name -> the custom op's Python body
-
-FAST_PATH_OPS = ("mul_mat", "swiglu_mul_mat", "rms_norm", "add_rms_norm", "qk_norm_rope", "kv_cache_write",
-                 "attention")
-"""The ops whose CPU kernel becomes C++ (csrc/cpu/ops.cpp, ``fast::``) once the extension is built."""
-
-
-def _direct_dispatch_enabled() -> bool:
-    import os
-
-    return os.environ.get("HANZO_CPU_DIRECT_DISPATCH", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _install_direct_dispatch() -> list[str]:
-    """Register each ``hanzo::`` custom op's own Python body as its kernel for the CPU dispatch key.
-
-    ``torch.library.custom_op`` routes every call through a generic backend wrapper (a
-    torch._dynamo-disable wrapper, an output-alias check, a per-device-kernel lookup): ~10-30 us
-    per call on this machine, paid ~300 times per decode token. The body registered here is the
-    same function (same checks, same ``kernel_for`` dispatch, same ``HANZO_<OP>_FALLBACK``
-    behaviour); the Autograd, ADInplaceOrView, Meta and fake (torch.compile) registrations of
-    the custom op are untouched, and other devices keep the generic path. Once the C++
-    extension is built, :func:`install_fast_paths` replaces the bodies of :data:`FAST_PATH_OPS`
-    with C++ kernels. ``HANZO_CPU_DIRECT_DISPATCH=0`` (read at import) turns both off.
-
-    Returns the names of the ops registered.
-    """
-    global _DIRECT_LIBS
-    if _DIRECT_LIBS is not None:
-        return []
-    if not _direct_dispatch_enabled():
-        return []
-    import importlib
-
-    from torch._library.custom_ops import CustomOpDef
-
-    _DIRECT_LIBS = {}
-    for name in ("quant", "fused", "ffn"):  # the modules of hanzo_torch.ops that define custom ops
-        try:
-            mod = importlib.import_module(f"hanzo_torch.ops.{name}")
-        except ImportError:
-            continue
-        for obj in vars(mod).values():
-            body = getattr(obj, "_init_fn", None)
-            if (isinstance(obj, CustomOpDef) and getattr(obj, "_namespace", None) == "hanzo" and callable(body)
-                    and obj._name not in _DIRECT_LIBS):
-                lib = torch.library.Library("hanzo", "IMPL")  # one per op: install_fast_paths may drop it
-                lib.impl(obj._name, body, "CPU")
-                _DIRECT_LIBS[obj._name] = lib
-                _BODIES[obj._name] = body
-    return list(_DIRECT_LIBS)
-
-
-FAST_PATH_INSTALLED: list = []
-"""The ops whose CPU kernel is C++ in this process (empty until the extension is built)."""
-
-
-def install_fast_paths(ext, isa: int, mv_max: int) -> list[str]:
-    """Make the C++ kernels of csrc/cpu/ops.cpp (``fast::``) the CPU kernels of :data:`FAST_PATH_OPS`.
-
-    Each checks its arguments in C++ and runs the same C++ kernel as the op's Python body would,
-    with the same arguments (identical results, ~20-40 us less per call); a set
-    ``HANZO_<OP>_FALLBACK`` or ``HANZO_CPU_ISA``, an unknown or dense format, or arguments the
-    Python checks would reject are handed to the Python body (same errors, same references).
-    Called once the extension is loaded (:func:`hanzo_torch.backends.cpu.build`); a no-op when direct
-    dispatch is off. ``isa``: the instruction set the fast path uses (the self-checked default).
-    Returns the names of the ops now running C++ kernels.
-    """
-    from . import SUPPORTED_QTYPES, _type_id
-
-    if _DIRECT_LIBS is None or FAST_PATH_INSTALLED:
-        return list(FAST_PATH_INSTALLED)
-    bodies = {name: _BODIES[name] for name in FAST_PATH_OPS if name in _BODIES}
-    for name in bodies:  # drop the Python body's registration first (no "overriding kernel" warning)
-        lib = _DIRECT_LIBS.pop(name, None)
-        if lib is not None:
-            lib._destroy()
-    done = ext.register_fast_paths(bodies, {q: _type_id(q) for q in SUPPORTED_QTYPES}, int(isa), int(mv_max))
-    FAST_PATH_INSTALLED.extend(done)
-
-    def sync() -> None:  # each op takes its C++ path only while the kernel table picks this backend for it
-        from . import mul_mat as mm, swiglu_mul_mat as smm
-
-        ours = {"mul_mat": (mm, SUPPORTED_QTYPES), "swiglu_mul_mat": (smm, SUPPORTED_QTYPES)}
-        for name in FAST_PATH_INSTALLED:
-            fn, qtypes = ours.get(name, (globals().get(name), (None,)))
-            ext.set_fast_path_enabled(name, _common.picks(name, "cpu", fn, qtypes))
-
-    sync()
-    _common.on_kernels_changed(sync)
-    return list(done)
-
-
-DIRECT_DISPATCH_OPS = _install_direct_dispatch()
-"""Names of the ``hanzo`` ops whose CPU calls skip the custom-op backend wrapper (see above)."""
-
-_register()
+    return op(torch.softmax(logits.float(), dim=-1), k, normalize)

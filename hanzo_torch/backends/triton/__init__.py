@@ -6,10 +6,12 @@ device), ``quantize_q8_1``, ``rms_norm``, ``add_rms_norm``, ``swiglu``, ``qk_nor
 ``moe_route``, ``kv_cache_write``, ``attention``. The quantized ones are generic over the ggml
 format through :mod:`.formats` (one unpack rule per format, selected by a ``tl.constexpr``).
 
-Importing this package never fails: without triton or without a CUDA/HIP device it registers
-nothing (``REASON`` says why) and the vectorized-torch references run. ROCm tensors report
-device type ``"cuda"`` too, so one registration covers both. ``HANZO_<OP>_FALLBACK=1`` still
-selects the reference per op (``hanzo_torch.ops._common.kernel_for``).
+Importing this package never fails: without triton or without a CUDA/HIP device
+:func:`register` registers nothing (``REASON`` says why) and the vectorized-torch references run.
+ROCm tensors report device type ``"cuda"`` too, so one registration covers both. Reference mode
+(``HANZO_<OP>_FALLBACK=1``, :func:`hanzo_torch.ops.use_reference`) still selects the reference
+per op. Tests call the kernels directly on CPU tensors under ``TRITON_INTERPRET=1``
+(:func:`kernels`).
 """
 from __future__ import annotations
 
@@ -39,23 +41,82 @@ def supported_formats() -> tuple[str, ...]:
     return tuple(SUPPORTED)
 
 
-def register_kernels(device_type: str = "cuda") -> None:
-    """Register every kernel in :mod:`hanzo_torch.ops._common` for ``device_type``.
+NAME = "triton"
+DEVICE_TYPES = ("cuda",)
+_REGISTERED: list = []
 
-    Called at import for ``"cuda"`` when triton and a device are present. Tests call it with
-    ``"cpu"`` under ``TRITON_INTERPRET=1`` to run the real op bodies through the kernels.
+
+def _format_args(op: str, args) -> tuple:
+    """The format names a call of ``op`` carries (empty for ops without one)."""
+    if op == "swiglu_mul_mat":
+        return (args[3], args[4])
+    if op in ("mul_mat", "dequantize"):
+        return (args[2] if op == "mul_mat" else args[1],)
+    if op in ("mul_mat_id",):
+        return (args[3],)
+    if op == "get_rows":
+        return (args[2],)
+    return ()
+
+
+def wrap(op: str, fn, fmts: frozenset):
+    """``fn`` as a dispatcher kernel: reference mode and formats without a rule go to
+    ``torch.ops.hanzo_ref.<op>`` (one warning per format); otherwise the op's checks, then ``fn``."""
+    import torch
+
+    from ... import ops
+    from ...ops import _dispatch
+
+    ref = getattr(torch.ops.hanzo_ref, op)
+    warned: set = set()
+
+    def kernel(*args):
+        if _dispatch.reference_enabled(op):
+            return ref(*args)
+        for q in _format_args(op, args):
+            if q.upper() not in fmts:
+                if q not in warned:
+                    warned.add(q)
+                    import warnings
+
+                    warnings.warn(f"hanzo triton: no kernel for format {q}; {op} runs the torch reference",
+                                  RuntimeWarning, stacklevel=2)
+                return ref(*args)
+        ops.check_args(op, *args)
+        return fn(*args)
+
+    kernel.__name__ = f"triton_{op}"
+    return kernel
+
+
+def register() -> frozenset:
+    """Register every Triton kernel on the CUDA dispatch key (also ROCm, which torch calls cuda).
+
+    Returns the ops registered (empty without triton or a device; :data:`REASON` says why).
     """
-    from ...ops import _common
+    import torch
 
-    fmts = supported_formats()
-    for op, fn in kernels().items():
-        _common.register_kernel(op, device_type, fn, qtypes=fmts if op in QUANT_OPS else None)
+    if _REGISTERED:
+        return frozenset(_REGISTERED)
+    if REASON is not None:
+        return frozenset()
+    fmts = frozenset(supported_formats())
+    table = kernels()
     from . import ffn  # hanzo::swiglu_mul_mat (gate+up fused), both formats must be in fmts
 
-    _common.register_kernel("swiglu_mul_mat", device_type, ffn.swiglu_mul_mat, qtypes=fmts)
+    table["swiglu_mul_mat"] = ffn.swiglu_mul_mat
+    for op, fn in table.items():
+        torch.library.register_kernel(f"hanzo::{op}", "cuda", wrap(op, fn, fmts))
+        _REGISTERED.append(op)
+    return frozenset(_REGISTERED)
 
 
-def _autoregister() -> None:
+def status() -> dict:
+    return {"available": REASON is None, "reason": REASON,
+            "formats": supported_formats() if REASON is None else ()}
+
+
+def _probe() -> None:
     global AVAILABLE, REASON
     try:
         import torch
@@ -66,12 +127,7 @@ def _autoregister() -> None:
     if not torch.cuda.is_available():
         REASON = "no CUDA/HIP device"
         return
-    try:
-        register_kernels("cuda")
-    except Exception as e:  # never break `import hanzo_torch` over the optional backend
-        REASON = f"Triton kernels failed to load: {e!r}"
-        return
     AVAILABLE = True
 
 
-_autoregister()
+_probe()

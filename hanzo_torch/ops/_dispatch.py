@@ -1,0 +1,139 @@
+"""How a ``hanzo`` op finds its kernel: torch's dispatcher, one dispatch key per backend.
+
+Every op is a ``torch.library.custom_op`` whose own body (registered by torch for
+``CompositeExplicitAutograd``, so it serves any device without a kernel of its own) checks the
+arguments and runs the op's vectorized-torch reference. A backend registers real kernels on its
+device's dispatch key (the C++ CPU kernels on ``CPU`` from C++, the Triton kernels on ``CUDA``
+with :func:`torch.library.register_kernel`, later ``PrivateUse1`` for Vulkan and ``MPS``); the
+dispatcher then calls them directly, so a decode step pays no Python between ops on the CPU.
+
+Backends are loaded lazily: the first call of any op on a device type activates the backends
+that serve it (:func:`hanzo_torch.backends.activate`), which may compile the C++ CPU kernels once.
+
+The reference of every op is also registered as its own op, ``torch.ops.hanzo_ref.<op>``, so a
+native kernel can hand a call it cannot take (an argument its fast path does not cover, a format it
+lacks, or reference mode) to the reference through the dispatcher, and tests can call the oracle
+by name.
+
+Reference mode: ``HANZO_<OP>_FALLBACK=1`` (read once, at import) or :func:`use_reference` (in
+process, for A/B runs) makes that op run its reference on every backend. Backends read the mode
+from :func:`reference_enabled` or subscribe to changes with :func:`on_reference_change`; nothing
+reads the environment per call.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+__all__ = ["use_reference", "set_reference", "reference_enabled", "reference_ops", "on_reference_change",
+           "define_reference_op", "default", "OPS"]
+
+OPS: list[str] = []
+"""Names of every ``hanzo`` op, in definition order (filled as the op modules are imported)."""
+
+_REFERENCE: set[str] = set()
+_LISTENERS: list[Callable[[str, bool], None]] = []
+_REF_LIB = torch.library.Library("hanzo_ref", "DEF")
+_ACTIVATED: dict[str, frozenset] = {}  # device type -> ops with a native kernel on its dispatch key
+
+
+def _env_flag(op: str) -> bool:
+    v = os.environ.get(f"HANZO_{op.upper()}_FALLBACK", "")
+    return v.strip().lower() in ("1", "true", "yes", "on")
+
+
+def define_reference_op(op: str, reference: Callable) -> None:
+    """Register ``reference`` as ``torch.ops.hanzo_ref.<op>`` (same schema as ``hanzo::<op>``).
+
+    ``reference`` takes the op's arguments, checks them (raising the op's ValueError/IndexError)
+    and computes the result in plain torch. Called once per op by the module defining it.
+    """
+    schema = str(getattr(torch.ops.hanzo, op).default._schema)
+    _REF_LIB.define(schema.split("::", 1)[1])
+    _REF_LIB.impl(op, reference, "CompositeExplicitAutograd")
+    OPS.append(op)
+    if _env_flag(op):
+        _REFERENCE.add(op)
+
+
+def reference_enabled(op: str) -> bool:
+    """True while ``op`` is in reference mode (``HANZO_<OP>_FALLBACK=1`` or :func:`use_reference`)."""
+    return op in _REFERENCE
+
+
+def reference_ops() -> frozenset:
+    """The ops now in reference mode."""
+    return frozenset(_REFERENCE)
+
+
+def on_reference_change(fn: Callable[[str, bool], None]) -> None:
+    """Call ``fn(op, enabled)`` whenever an op enters or leaves reference mode (backends mirror it)."""
+    _LISTENERS.append(fn)
+
+
+def set_reference(op: str, enabled: bool = True) -> None:
+    """Switch ``op`` into (or out of) reference mode for every backend, in this process.
+
+    Raises:
+        ValueError: ``op`` is not a ``hanzo`` op.
+    """
+    if op not in OPS:
+        raise ValueError(f"unknown hanzo op {op!r}; ops: {', '.join(OPS)}")
+    if enabled == (op in _REFERENCE):
+        return
+    (_REFERENCE.add if enabled else _REFERENCE.discard)(op)
+    for fn in list(_LISTENERS):
+        fn(op, enabled)
+
+
+@contextlib.contextmanager
+def use_reference(*ops: str, enabled: bool = True) -> Iterator[None]:
+    """Run ``ops`` (all ops when none are named) on their torch references inside the block.
+
+    The in-process twin of ``HANZO_<OP>_FALLBACK=1``, for an A/B in which the kernel is the only
+    variable::
+
+        with hanzo_torch.ops.use_reference("mul_mat"):
+            y_ref = model(ids)
+
+    ``enabled=False`` does the opposite (native kernels inside the block, even if the variable is
+    set). The previous modes are restored on exit.
+    """
+    names: Iterable[str] = ops or tuple(OPS)
+    before = {op: op in _REFERENCE for op in names}
+    for op in before:
+        set_reference(op, enabled)
+    try:
+        yield
+    finally:
+        for op, was in before.items():
+            set_reference(op, was)
+
+
+def default(op: str, device_type: str, reference: Callable, *args):
+    """Body of ``hanzo::<op>`` for a device whose dispatch key has no native kernel for it.
+
+    The first call on a device type activates the backends serving it; if one of them registered
+    a kernel for ``op``, the call goes through the dispatcher again and reaches it (later calls go
+    there directly). Otherwise the reference runs.
+    """
+    native = _ACTIVATED.get(device_type)
+    if native is None:
+        from .. import backends
+
+        native = _ACTIVATED[device_type] = backends.activate(device_type)
+        if op in native:
+            return getattr(torch.ops.hanzo, op)(*args)
+    return reference(*args)
+
+
+def activated(device_type: str) -> Optional[frozenset]:
+    """Ops with a native kernel on ``device_type`` (None before the first op call there)."""
+    return _ACTIVATED.get(device_type)
+
+
+def mark_activated(device_type: str, ops: frozenset) -> None:
+    _ACTIVATED[device_type] = frozenset(ops)
