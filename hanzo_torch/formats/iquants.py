@@ -37,7 +37,7 @@ def parity_signs(idx7: torch.Tensor) -> torch.Tensor:
     of the 7 stored ones (every group of 8 has an even number of negatives). That is exactly
     what ggml's ``ksigns_iq2xs`` table (``gguf.quants.IQ2_XXS.ksigns``) encodes, so computing the
     parity is bit-identical to gathering from it (tests/test_formats_iq.py checks all 128
-    entries) and spares kernels a divergent table gather (DESIGN.md section 2).
+    entries) and spares kernels a divergent table gather (docs/DESIGN.md section 2).
     """
     p = idx7 ^ (idx7 >> 4)
     p = p ^ (p >> 2)

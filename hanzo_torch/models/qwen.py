@@ -19,7 +19,7 @@ the memory-mapped file); norm weights and biases are small dense tensors. The fo
 only ``torch.ops.hanzo`` ops (``F.linear``/``F.embedding`` on a GGUFTensor route to
 ``hanzo::mul_mat``/``hanzo::get_rows``) and never asks which format a weight has.
 
-Decode is graph-capture friendly (the design notes, DESIGN.md section 4): the KV cache is allocated once at
+Decode is graph-capture friendly (docs/DESIGN.md section 4): the KV cache is allocated once at
 ``max_context`` and written by index, positions are a device tensor, and nothing in the forward
 synchronizes with the host when positions are passed in.
 """

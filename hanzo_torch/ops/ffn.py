@@ -3,7 +3,7 @@
 ``swiglu_mul_mat(x, w_gate, w_up, qtype_gate, qtype_up) = silu(x @ Wg^T) * (x @ Wu^T)``: the
 first half of a dense SwiGLU FFN (the down projection stays a plain ``hanzo::mul_mat``). Fusing
 the two projections lets a backend read the activation once for both weights and apply the
-``silu * up`` epilogue in registers (``../shared/DESIGN.md`` section 5, "gate+up sharing one
+``silu * up`` epilogue in registers (``docs/DESIGN.md`` section 5, "gate+up sharing one
 quantized activation").
 
 Dispatch follows docs/ARCHITECTURE.md: a backend's kernel on the device's dispatch key (Triton on

@@ -427,7 +427,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, sc
             (slots past p are masked, whatever they hold).
         scale: score scale, usually ``1/sqrt(D)``.
         impl: ``"eager"`` (materialized f32 softmax, f32 P*V), ``"flash"`` (online softmax, f32
-            accumulators) or ``"auto"`` (eager for f16/bf16 inputs, per DESIGN.md section 6; flash
+            accumulators) or ``"auto"`` (eager for f16/bf16 inputs, per docs/DESIGN.md section 6; flash
             for f32).
 
     Returns:

@@ -3,7 +3,7 @@
 Decode (``M <= quant.MATVEC_MAX_M`` activation rows): one launch streams the BN rows of BOTH
 packed weights a program owns, reading each activation tile once for the two products, and
 applies the ``silu(gate) * up`` epilogue on the float32 accumulators before one store
-(``../shared/DESIGN.md`` section 5: gate+up sharing one activation). The two weights may be in
+(``docs/DESIGN.md`` section 5: gate+up sharing one activation). The two weights may be in
 different ggml formats (Q4_K gate, Q6_K up); each is read through the format layer
 (:mod:`.formats`): M == 1 with grouped rules for both formats uses the grouped form (scales once
 per group, as :func:`.quant._matvec_grouped_kernel`), otherwise the per-value rules (as

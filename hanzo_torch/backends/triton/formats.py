@@ -19,7 +19,7 @@ multiply-add is contracted into an FMA). The IQ grids and the non-linear value t
 float32 tensors (:func:`format_table`); nothing is copied into this file.
 
 IQ2_XXS, IQ2_XS and IQ3_XXS store 7 sign bits per 8 weights; the 8th sign is the parity of
-the 7 (``../shared/DESIGN.md`` section 2). We compute the parity with three shifts and xors
+the 7 (``docs/DESIGN.md`` section 2). We compute the parity with three shifts and xors
 instead of gathering from ggml's 128-entry ``ksigns`` table: divergent constant-memory gathers
 were the measured i-quant kernel wall.
 """

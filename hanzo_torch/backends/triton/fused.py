@@ -5,7 +5,7 @@ The wrappers have the signatures of the ``hanzo`` ops (docs/ARCHITECTURE.md, ref
 :mod:`hanzo_torch.ops.fused`) and are registered for device type ``"cuda"`` by
 :mod:`hanzo_torch.backends.triton`. Statistics, softmax, RoPE angles and P*V are float32 as in the
 references. Nothing here synchronizes with the host: positions and routing ids are read on the
-device (``../shared/DESIGN.md`` section 4), so every kernel can be captured in a CUDA/HIP graph.
+device (``docs/DESIGN.md`` section 4), so every kernel can be captured in a CUDA/HIP graph.
 The fusions are the ones measured to pay (DESIGN section 5): add+RMSNorm, q/k-norm+RoPE, one-pass
 MoE routing.
 """

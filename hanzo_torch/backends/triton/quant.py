@@ -5,7 +5,7 @@ Every kernel reads packed weights through :func:`.formats.unpack_at`, generic ov
 have the signatures of the ``hanzo`` ops (docs/ARCHITECTURE.md) and are what
 ``hanzo_torch.backends.triton`` registers for device type ``"cuda"`` (CUDA and ROCm).
 
-Contractions (``../shared/DESIGN.md`` section 5):
+Contractions (``docs/DESIGN.md`` section 5):
 - decode mat-vec (``M <= MATVEC_MAX_M``): each program owns ``BN`` weight rows and streams them
   once over K, unpacking to float32 and FMA-ing against all M activation rows, so the weight
   bytes are read once per op whatever M is. M == 1 uses the grouped form of the format
