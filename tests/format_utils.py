@@ -3,7 +3,9 @@ generators, and the per-format knowledge of where the scale fields of a block li
 
 The scale fields of every format (:data:`FLOAT_FIELDS`, for the "valid blocks" and "extreme
 scales" tests of tests/test_formats.py and tests/test_formats_iq.py) are read from the registry's
-block fields, so a new format needs nothing here.
+block fields, so a new format needs nothing here. Formats that ``gguf.quants`` cannot dequantize
+(Q1_0 in gguf 0.19) are checked against a numpy restatement of ggml's C reference
+(:data:`GGML_RULES`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
+
+from hanzo_torch.backends.triton._testing import GGML_RULES  # numpy only; importable without triton
 
 def _float_fields() -> dict[str, tuple[tuple[int, str], ...]]:
     """name -> ((byte offset, kind), ...): the scale fields of one block, from the registry's
@@ -140,7 +144,11 @@ def check_dequantize(blocks: torch.Tensor, name: str, device: str = "cpu", what:
 
 
 def gguf_dequantize(data: torch.Tensor, name: str) -> torch.Tensor:
-    """The oracle: ``gguf.quants.dequantize`` of packed rows ``uint8 [..., row_bytes]`` -> float32."""
+    """The oracle: ``gguf.quants.dequantize`` of packed rows ``uint8 [..., row_bytes]`` -> float32
+    (:data:`GGML_RULES` for the formats gguf cannot dequantize)."""
+    if name in GGML_RULES and not hasattr(gguf_quants, name):
+        with np.errstate(all="ignore"):
+            return torch.from_numpy(GGML_RULES[name](np.ascontiguousarray(data.cpu().numpy())).astype(np.float32))
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
         out = gguf_quants.dequantize(np.ascontiguousarray(data.cpu().numpy()), GGMLQuantizationType[name])

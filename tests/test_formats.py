@@ -116,6 +116,20 @@ def test_trait_tables_are_gguf_tables():
     assert kv.tolist() == [float(v) for v in gq.IQ4_NL.kvalues]
 
 
+def test_q1_0_oracle_on_a_hand_made_block():
+    # ggml's rule written out by hand: bit j of qs[j // 8] (lsb first) selects +d, else -d
+    if "Q1_0" not in hanzo_torch.FORMATS:
+        pytest.skip("the installed gguf has no Q1_0 type")
+    block = torch.zeros(1, 18, dtype=torch.uint8)
+    block[0, 0:2] = torch.tensor([0x00, 0x40], dtype=torch.uint8)  # fp16 2.0
+    block[0, 2] = 0b00000101  # values 0 and 2 positive
+    block[0, 17] = 0x80  # value 127 positive
+    want = torch.full((1, 128), -2.0)
+    want[0, [0, 2, 127]] = 2.0
+    assert_bits_equal(hanzo_torch.dequantize(block, "Q1_0", (1, 128)), want, "Q1_0")
+    assert_bits_equal(gguf_dequantize(block, "Q1_0"), want, "Q1_0 oracle")
+
+
 # ---------------------------------------------------------------------------------------------
 # dequantize, every registered format
 # ---------------------------------------------------------------------------------------------

@@ -387,6 +387,16 @@ struct FIQ1_M : BlockOf<block_iq1_m> {  // qh: nibble per 8 (3 idx bits | delta 
     }
 };
 
+// ---------------------------------------------------------------- binary (sign-only) blocks
+struct FQ1_0 : BlockOf<block_q1_0> {  // value = bit ? d : -d, bit j of qs[j / 8] (lsb first)
+    static constexpr bool SIGNED = true, HAS_MIN = false;
+    static inline void unpack(const uint8_t* b, Unpacked& u) {
+        const uint8_t* qs = b + offsetof(B, qs);
+        for (int j = 0; j < QK; ++j) u.q[j] = (uint8_t)(int8_t)(((qs[j / 8] >> (j % 8)) & 1) ? 1 : -1);
+        u.d = rd_f16(b + offsetof(B, d)); u.dmin = 0.f; fill_groups(u, 16, 1, 0);
+    }
+};
+
 // The HzTableSlot a trait reads (its TABLE), -1 for traits without one.
 template <class...> using hz_void_tt = void;
 template <class T, class = void> struct TableOf { static constexpr int value = -1; };
@@ -397,4 +407,4 @@ template <class T> struct TableOf<T, hz_void_tt<decltype(T::TABLE)>> { static co
 #define HZ_FOR_EACH_FORMAT(X)                                                                       \
     X(FQ4_0) X(FQ4_1) X(FQ5_0) X(FQ5_1) X(FQ8_0) X(FQ2_K) X(FQ3_K) X(FQ4_K) X(FQ5_K) X(FQ6_K)      \
     X(FIQ2_XXS) X(FIQ2_XS) X(FIQ2_S) X(FIQ3_XXS) X(FIQ3_S) X(FIQ1_S) X(FIQ1_M) X(FIQ4_NL)         \
-    X(FIQ4_XS) X(FTQ1_0) X(FTQ2_0) X(FMXFP4)
+    X(FIQ4_XS) X(FTQ1_0) X(FTQ2_0) X(FMXFP4) X(FQ1_0)

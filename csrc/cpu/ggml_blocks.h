@@ -331,3 +331,14 @@ static_assert(sizeof(block_nvfp4) == 36, "wrong NVFP4 block size");
 static_assert(offsetof(block_nvfp4, d) == 0, "wrong offset of NVFP4.d");
 static_assert(offsetof(block_nvfp4, qs) == 4, "wrong offset of NVFP4.qs");
 static const int8_t hz_kvalues_nvfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Q1_0: ggml type 41, 128 values in 18 bytes, 128 values per scale group, dotted with q8_0
+struct block_q1_0 {
+    ggml_half d;
+    uint8_t qs[16];
+    static constexpr int type_id = 41, qk = 128, group_len = 128;
+    static constexpr HzVecDotType vec_dot_type = HZ_VEC_DOT_Q8_0;
+};
+static_assert(sizeof(block_q1_0) == 18, "wrong Q1_0 block size");
+static_assert(offsetof(block_q1_0, d) == 0, "wrong offset of Q1_0.d");
+static_assert(offsetof(block_q1_0, qs) == 2, "wrong offset of Q1_0.qs");

@@ -367,7 +367,7 @@ torch::Tensor dequantize_rows(torch::Tensor w, int64_t type_id, int64_t isa_leve
 // The activation quantization alone (for tests): x [M, K] -> (q int8 [M,K], d f32 [M,K/qa], s int16 [M,K/16])
 std::vector<torch::Tensor> quantize_activation(torch::Tensor x, int64_t qa, int64_t isa_level) {
     const HzIsa* isa = isa_table(isa_level);
-    TORCH_CHECK(qa == 32 || qa == 256, "quantize_activation: qa must be 32 or 256");
+    TORCH_CHECK(qa > 0 && qa % 32 == 0, "quantize_activation: qa must be a multiple of 32");
     TORCH_CHECK(x.dim() == 2 && x.size(1) % qa == 0, "quantize_activation: x must be [M, K] with K % qa == 0");
     torch::Tensor xf = x.to(torch::kFloat32).contiguous();
     QuantAct r = quantize_act(isa, xf, qa);

@@ -262,7 +262,7 @@ def quantize(tensor: torch.Tensor, qtype: Union[str, int, Format]) -> torch.Tens
 
 
 # Each module registers its formats at import. Order: dense, legacy, K-quants, i-quants,
-# ternary, fp4.
-from . import dense, legacy, kquants, iquants, ternary, fp4  # noqa: E402,F401
+# ternary, fp4, binary.
+from . import dense, legacy, kquants, iquants, ternary, fp4, binary  # noqa: E402,F401
 
 QUANTIZED_FORMATS = tuple(f.name for f in FORMATS.values() if not f.dense)

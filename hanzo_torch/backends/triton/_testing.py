@@ -70,11 +70,30 @@ def _fields(qtype: str):
     return get_format(qtype).fields
 
 
+def _q1_0_ggml(data: np.ndarray) -> np.ndarray:
+    # ggml-quants.c dequantize_row_q1_0: y[j] = bit ? d : -d, bit = (qs[j/8] >> (j%8)) & 1,
+    # block_q1_0 = { ggml_half d; uint8_t qs[16]; } (128 values)
+    blocks = data.reshape(-1, 18)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    bits = (blocks[:, 2:, None] >> np.arange(8, dtype=np.uint8)) & 1  # [n, 16, 8]: byte, bit
+    y = np.where(bits.reshape(-1, 128) == 1, d, -d)
+    return y.reshape(*data.shape[:-1], data.shape[-1] // 18 * 128)
+
+
+GGML_RULES = {"Q1_0": _q1_0_ggml}
+"""Oracles for the formats ``gguf.quants`` has no dequantizer for: numpy restatements of ggml's C
+``dequantize_row_<type>``, ``uint8 [..., row_bytes] -> float32 [..., row_length]``."""
+
+
 def gguf_dequantize(packed: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float32 dequantization by ``gguf.quants.dequantize`` (the oracle), same leading shape."""
+    """float32 dequantization by ``gguf.quants.dequantize`` (the oracle), same leading shape;
+    :data:`GGML_RULES` for the formats gguf cannot dequantize."""
     from gguf import quants
 
     arr = packed.detach().cpu().numpy()
+    if qtype in GGML_RULES and not hasattr(quants, qtype):
+        with np.errstate(all="ignore"):
+            return torch.from_numpy(np.ascontiguousarray(GGML_RULES[qtype](arr), dtype=np.float32))
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(arr, GGMLQuantizationType[qtype]), dtype=np.float32))
 
 

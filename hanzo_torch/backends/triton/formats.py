@@ -461,6 +461,18 @@ def _unpack_bf16(b, j, m):
 
 
 @triton.jit
+def _q1_0_sign(b, j, m):
+    # qs[16]: value j is bit j % 8 of qs[j // 8] -> +1 / -1
+    return 2 * ((_u8(b + Q1_0_qs + j // 8, m) >> (j % 8)) & 1) - 1
+
+
+@triton.jit
+def _unpack_q1_0(b, j, m):
+    # d qs[16]: value = d if bit else -d (ggml's (2 * bit - 1) * d)
+    return _q1_0_sign(b, j, m).to(tl.float32) * _f16(b + Q1_0_d, m)
+
+
+@triton.jit
 def unpack(b, j, m, tab, FMT: tl.constexpr):
     """float32 value of in-block element ``j`` of the block at byte pointer ``b`` (format FMT).
 
@@ -472,6 +484,8 @@ def unpack(b, j, m, tab, FMT: tl.constexpr):
         return _unpack_f16(b, j, m)
     elif FMT == BF16:
         return _unpack_bf16(b, j, m)
+    elif FMT == Q1_0:
+        return _unpack_q1_0(b, j, m)
     elif FMT == Q4_0:
         return _unpack_q4_0(b, j, m)
     elif FMT == Q4_1:
@@ -555,6 +569,8 @@ def group_params(b, g, m, tab, FMT: tl.constexpr):
         return _f16(b + Q8_0_d, m), zero, iz
     elif FMT == IQ4_NL:
         return _f16(b + IQ4_NL_d, m), zero, iz
+    elif FMT == Q1_0:
+        return _f16(b + Q1_0_d, m), zero, iz
     elif FMT == Q4_1:
         return _f16(b + Q4_1_d, m), _f16(b + Q4_1_m, m), iz
     elif FMT == Q5_1:
@@ -629,7 +645,9 @@ def group_params(b, g, m, tab, FMT: tl.constexpr):
 def group_code(b, j, m, tab, aux, FMT: tl.constexpr):
     """float32 code of in-block value ``j``: the value is ``scale * code + offset`` of its group
     (``aux``: the group's payload from :func:`group_params`)."""
-    if FMT == Q4_0:
+    if FMT == Q1_0:
+        return _q1_0_sign(b, j, m).to(tl.float32)
+    elif FMT == Q4_0:
         return (_nibble16(b + Q4_0_qs, j, m) - 8).to(tl.float32)
     elif FMT == Q4_1:
         return _nibble16(b + Q4_1_qs, j, m).to(tl.float32)
