@@ -7,7 +7,7 @@
 #include "ggml_blocks.h"  // block structs, type ids and table slots, generated from the format registry
 
 // An activation quantized to int8: row m holds q[m*K .. m*K+K), one float scale per qa values
-// (qa = the weight format's block size: 32, or 256 for the K-quant style formats) and one int16
+// (qa = the weight format's block size: 32, 128 for Q1_0, 256 for the K-quant style formats) and one int16
 // sum of q per 16 values.
 struct HzAct {
     const int8_t* q;

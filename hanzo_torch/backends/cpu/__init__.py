@@ -11,7 +11,7 @@ references run instead (the answers are the same up to the documented tolerance)
 
 Kernels (one generic C++ body per contraction, instantiated per format trait and per ISA):
     ``mul_mat``     x is quantized once per op to int8 blocks (scale per weight block size:
-                    32 values, or 256 for K-quant style formats; int16 sums per 16), then integer
+                    32 values, 128 for Q1_0, 256 for K-quant style formats; int16 sums per 16), then integer
                     dot products against the weight's unpacked integers. Small M (decode) reads
                     each weight block once per 4 rows; large M (prefill) unpacks weight tiles once
                     into an L1 buffer and runs a register-blocked int8 tile.
