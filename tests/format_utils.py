@@ -1,9 +1,11 @@
 """Test helpers for the format registry: the gguf oracle, a NaN-aware bit comparison, seeded
 generators, and the per-format knowledge of where the scale fields of a block lie.
 
-To cover a new format with the "valid blocks" and "extreme scales" tests of tests/test_formats.py
-and tests/test_formats_iq.py, add its scale fields to :data:`FLOAT_FIELDS` (byte offset within
-the block and kind); nothing else is needed.
+The scale fields of every format (:data:`FLOAT_FIELDS`, for the "valid blocks" and "extreme
+scales" tests of tests/test_formats.py and tests/test_formats_iq.py) are read from the registry's
+block fields, so a new format needs nothing here. Formats that ``gguf.quants`` cannot dequantize
+(Q1_0 in gguf 0.19) are checked against a numpy restatement of ggml's C reference
+(:data:`GGML_RULES`).
 """
 from __future__ import annotations
 
@@ -15,41 +17,33 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-# name -> ((byte offset, kind), ...): the scale fields of one block. Offsets are those of
-# ggml-common.h's block structs. Kinds:
-#   "f32", "f16", "bf16": an IEEE float stored little-endian at the offset;
-#   "f16_iq1m":           IQ1_M's fp16 d, split into the top nibbles of the 4 little-endian
-#                         uint16 words from the offset (nibble i of d in word i);
-#   "e8m0", "ue4m3":      a one-byte scale (MXFP4's E8M0 exponent, NVFP4's unsigned E4M3) that
-#                         decodes to a finite value for every byte, so random bytes are valid.
-FLOAT_FIELDS: dict[str, tuple[tuple[int, str], ...]] = {
-    "F32": ((0, "f32"),),
-    "F16": ((0, "f16"),),
-    "BF16": ((0, "bf16"),),
-    "Q4_0": ((0, "f16"),),                   # d
-    "Q4_1": ((0, "f16"), (2, "f16")),        # d, m
-    "Q5_0": ((0, "f16"),),                   # d
-    "Q5_1": ((0, "f16"), (2, "f16")),        # d, m
-    "Q8_0": ((0, "f16"),),                   # d
-    "Q2_K": ((80, "f16"), (82, "f16")),      # d, dmin after scales[16], qs[64]
-    "Q3_K": ((108, "f16"),),                 # d after hmask[32], qs[64], scales[12]
-    "Q4_K": ((0, "f16"), (2, "f16")),        # d, dmin
-    "Q5_K": ((0, "f16"), (2, "f16")),        # d, dmin
-    "Q6_K": ((208, "f16"),),                 # d after ql[128], qh[64], scales[16]
-    "IQ1_S": ((0, "f16"),),                  # d
-    "IQ1_M": ((48, "f16_iq1m"),),            # d in the scales words after qs[32], qh[16]
-    "IQ2_XXS": ((0, "f16"),),
-    "IQ2_XS": ((0, "f16"),),
-    "IQ2_S": ((0, "f16"),),
-    "IQ3_XXS": ((0, "f16"),),
-    "IQ3_S": ((0, "f16"),),
-    "IQ4_NL": ((0, "f16"),),
-    "IQ4_XS": ((0, "f16"),),
-    "TQ1_0": ((52, "f16"),),                 # d after qs[48], qh[4]
-    "TQ2_0": ((64, "f16"),),                 # d after qs[64]
-    "MXFP4": ((0, "e8m0"),),                 # e
-    "NVFP4": ((0, "ue4m3"), (1, "ue4m3"), (2, "ue4m3"), (3, "ue4m3")),  # d[4], one per 16 values
-}
+from hanzo_torch.backends.triton._testing import GGML_RULES  # numpy only; importable without triton
+
+def _float_fields() -> dict[str, tuple[tuple[int, str], ...]]:
+    """name -> ((byte offset, kind), ...): the scale fields of one block, from the registry's
+    block fields (``Field.scale``). Kinds:
+      "f32", "f16", "bf16": an IEEE float stored little-endian at the offset;
+      "f16_iq1m":           IQ1_M's fp16 d, split into the top nibbles of the 4 little-endian
+                            uint16 words from the offset (nibble i of d in word i);
+      "e8m0", "ue4m3":      a one-byte scale (MXFP4's E8M0 exponent, NVFP4's unsigned E4M3) that
+                            decodes to a finite value for every byte, so random bytes are valid.
+    """
+    import hanzo_torch
+
+    out = {}
+    for name, fmt in hanzo_torch.FORMATS.items():
+        entries = []
+        for f in fmt.fields:
+            if f.scale == "f16_iq1m":  # one d spread over the whole field
+                entries.append((f.offset, f.scale))
+            elif f.scale is not None:
+                width = f.nbytes // max(f.count, 1)
+                entries += [(f.offset + i * width, f.scale) for i in range(max(f.count, 1))]
+        out[name] = tuple(entries)
+    return out
+
+
+FLOAT_FIELDS: dict[str, tuple[tuple[int, str], ...]] = _float_fields()
 
 # float kind -> (bytes, exponent mask, a bit of the exponent to clear when the exponent is all ones)
 _KINDS = {
@@ -150,7 +144,11 @@ def check_dequantize(blocks: torch.Tensor, name: str, device: str = "cpu", what:
 
 
 def gguf_dequantize(data: torch.Tensor, name: str) -> torch.Tensor:
-    """The oracle: ``gguf.quants.dequantize`` of packed rows ``uint8 [..., row_bytes]`` -> float32."""
+    """The oracle: ``gguf.quants.dequantize`` of packed rows ``uint8 [..., row_bytes]`` -> float32
+    (:data:`GGML_RULES` for the formats gguf cannot dequantize)."""
+    if name in GGML_RULES and not hasattr(gguf_quants, name):
+        with np.errstate(all="ignore"):
+            return torch.from_numpy(GGML_RULES[name](np.ascontiguousarray(data.cpu().numpy())).astype(np.float32))
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
         out = gguf_quants.dequantize(np.ascontiguousarray(data.cpu().numpy()), GGMLQuantizationType[name])

@@ -20,16 +20,14 @@ import torch
 import hanzo_torch  # noqa: F401  (registers the ops)
 from hanzo_torch.backends import cpu as hcpu
 from hanzo_torch.ops import quant
+from format_utils import FLOAT_FIELDS, gguf_dequantize
 
 QTYPES = hcpu.SUPPORTED_QTYPES
 GT = gguf.GGMLQuantizationType
 
-# Byte offsets of the fp16 scale fields per block (random bytes there could be inf/nan).
-_F16_FIELDS = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
-    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,),
-    "IQ3_S": (0,), "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
-}
+# Byte offsets of the fp16 scale fields per block (random bytes there could be inf/nan), from the
+# registry's block fields.
+_F16_FIELDS = {name: tuple(off for off, kind in fields if kind == "f16") for name, fields in FLOAT_FIELDS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +63,7 @@ def random_blocks(qtype: str, n_rows: int, K: int, seed: int) -> torch.Tensor:
 
 
 def gguf_dequant(qtype, w, K):
-    return torch.from_numpy(gguf.quants.dequantize(w.numpy(), GT[qtype]).reshape(w.shape[0], K).astype(np.float32))
+    return gguf_dequantize(w, qtype).reshape(w.shape[0], K)
 
 
 def qa_of(qtype):  # activation block size the kernels use for this format
@@ -116,7 +114,7 @@ def test_activation_quantization(ext, qa):
 def test_mul_mat_all_paths(ext, qtype):
     """Decode (mat-vec, M=1..5) and prefill (tiled GEMM, ragged M and N) on every ISA."""
     bs = qa_of(qtype)
-    K = 2304 if bs == 256 else 2112  # > one 2048-value K panel of the GEMM
+    K = {256: 2304, 128: 2176}.get(bs, 2112)  # > one 2048-value K panel of the GEMM, whole blocks
     N = 7
     w = random_blocks(qtype, N, K, seed=2)
     wf = gguf_dequant(qtype, w, K)

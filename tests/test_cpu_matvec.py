@@ -15,9 +15,10 @@ from hanzo_torch.backends import cpu as hcpu
 from test_cpu_kernels import ISAS, _F16_FIELDS, act_dequant, assert_tight, gguf_dequant, qa_of, random_blocks
 
 GT = gguf.GGMLQuantizationType
-# Every format with its own mat-vec hooks, plus one served by the generic unpack (TQ2_0).
+# Every format with its own mat-vec hooks, plus two served by the generic unpack (TQ2_0, and
+# Q1_0 with its 128-value blocks where the installed gguf knows it).
 MV_QTYPES = ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
-             "TQ2_0")
+             "TQ2_0") + tuple(q for q in ("Q1_0",) if q in hcpu.SUPPORTED_QTYPES)
 
 
 @pytest.fixture(scope="module")

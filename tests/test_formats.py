@@ -62,14 +62,72 @@ def test_registry_has_own_formats_with_gguf_sizes():
         assert (fmt.block_size, fmt.type_size) == GGML_QUANT_SIZES[GGMLQuantizationType[name]], name
 
 
-def test_every_format_has_its_scale_fields_listed():
+def test_every_format_declares_its_scale_fields():
     # random_blocks and the valid-block tests need to know where each format keeps its scales
     assert set(ALL) <= set(FLOAT_FIELDS), sorted(set(ALL) - set(FLOAT_FIELDS))
     for name in ALL:
         type_size = hanzo_torch.get_format(name).type_size
+        assert FLOAT_FIELDS[name], f"{name}: no scale field"
         for offset, kind in FLOAT_FIELDS[name]:
             width = 8 if kind == "f16_iq1m" else 4 if kind == "f32" else 2 if kind in ("f16", "bf16") else 1
             assert 0 <= offset and offset + width <= type_size, (name, offset, kind)
+    # offsets of ggml-common.h's block structs, written out here independently of the registry
+    ggml = {"Q2_K": ((80, "f16"), (82, "f16")), "Q3_K": ((108, "f16"),), "Q6_K": ((208, "f16"),),
+            "Q4_1": ((0, "f16"), (2, "f16")), "TQ1_0": ((52, "f16"),), "TQ2_0": ((64, "f16"),),
+            "IQ1_M": ((48, "f16_iq1m"),), "MXFP4": ((0, "e8m0"),)}
+    for name, fields in ggml.items():
+        assert FLOAT_FIELDS[name] == fields, name
+
+
+def test_trait_fields_tile_the_block():
+    # fields in declaration order, back to back, adding up to gguf's type size (ggml's
+    # static_assert); every quantized format says what it is dotted with and its group length
+    from hanzo_torch.formats import VEC_DOT_TYPES
+
+    for name in ALL:
+        fmt = hanzo_torch.FORMATS[name]
+        pos = 0
+        for f in fmt.fields:
+            assert f.offset == pos, (name, f.name)
+            assert fmt.offset(f.name) == pos
+            pos += f.nbytes
+        assert pos == fmt.type_size, name
+        if fmt.dense:
+            assert fmt.vec_dot_type is None and fmt.group_len == 0
+        else:
+            assert fmt.vec_dot_type in VEC_DOT_TYPES, name
+            assert fmt.block_size % fmt.group_len == 0, name
+            # q8_K activation blocks are QK_K = 256 values: only 256-value formats use them
+            assert (fmt.vec_dot_type == "q8_K") == (fmt.block_size == 256), name
+    with pytest.raises(KeyError, match="Q4_K has no block field 'nope'"):
+        hanzo_torch.get_format("Q4_K").field("nope")
+
+
+def test_trait_tables_are_gguf_tables():
+    from gguf import quants as gq
+
+    for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S"):
+        cls = getattr(gq, name)
+        cls.init_grid()
+        grid = hanzo_torch.get_format(name).tables["grid"].cpu
+        assert torch.equal(grid, torch.from_numpy(np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape)))
+    assert hanzo_torch.get_format("IQ1_M").tables["grid"] is hanzo_torch.get_format("IQ1_S").tables["grid"]
+    kv = hanzo_torch.get_format("IQ4_NL").tables["kvalues"].cpu
+    assert kv.tolist() == [float(v) for v in gq.IQ4_NL.kvalues]
+
+
+def test_q1_0_oracle_on_a_hand_made_block():
+    # ggml's rule written out by hand: bit j of qs[j // 8] (lsb first) selects +d, else -d
+    if "Q1_0" not in hanzo_torch.FORMATS:
+        pytest.skip("the installed gguf has no Q1_0 type")
+    block = torch.zeros(1, 18, dtype=torch.uint8)
+    block[0, 0:2] = torch.tensor([0x00, 0x40], dtype=torch.uint8)  # fp16 2.0
+    block[0, 2] = 0b00000101  # values 0 and 2 positive
+    block[0, 17] = 0x80  # value 127 positive
+    want = torch.full((1, 128), -2.0)
+    want[0, [0, 2, 127]] = 2.0
+    assert_bits_equal(hanzo_torch.dequantize(block, "Q1_0", (1, 128)), want, "Q1_0")
+    assert_bits_equal(gguf_dequantize(block, "Q1_0"), want, "Q1_0 oracle")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from gguf import quants as gguf_quants
 
 import hanzo_torch
 from hanzo_torch import FORMATS, QUANTIZED_FORMATS, get_format
+from hanzo_torch.backends.triton._testing import GGML_RULES
 from hanzo_torch.ops import quant as Q
 
 ALL_FORMATS = tuple(FORMATS)
@@ -37,10 +38,15 @@ def references_only(monkeypatch):
 
 # ---------------------------------------------------------------------- test data
 def gguf_dequant(packed: torch.Tensor, qtype: str) -> torch.Tensor:
-    """The oracle: ``gguf.quants.dequantize`` of ``uint8 [..., row_bytes]`` -> float64 ``[..., K]``."""
+    """The oracle: ``gguf.quants.dequantize`` of ``uint8 [..., row_bytes]`` -> float64 ``[..., K]``
+    (ggml's rule in numpy for a format gguf cannot dequantize, ``GGML_RULES``)."""
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
-        out = gguf_quants.dequantize(np.ascontiguousarray(packed.cpu().numpy()), GGMLQuantizationType[qtype])
+        arr = np.ascontiguousarray(packed.cpu().numpy())
+        if qtype in GGML_RULES and not hasattr(gguf_quants, qtype):
+            out = GGML_RULES[qtype](arr)
+        else:
+            out = gguf_quants.dequantize(arr, GGMLQuantizationType[qtype])
         return torch.from_numpy(np.array(out, dtype=np.float64))
 
 

@@ -4,8 +4,10 @@
 #pragma once
 #include <stdint.h>
 
+#include "ggml_blocks.h"  // block structs, type ids and table slots, generated from the format registry
+
 // An activation quantized to int8: row m holds q[m*K .. m*K+K), one float scale per qa values
-// (qa = the weight format's block size: 32, or 256 for the K-quant style formats) and one int16
+// (qa = the weight format's block size: 32, 128 for Q1_0, 256 for the K-quant style formats) and one int16
 // sum of q per 16 values.
 struct HzAct {
     const int8_t* q;
@@ -30,6 +32,7 @@ struct HzFormatKernels {
     hz_matmul_fn gemm;    // large M: unpacks weight tiles once, register-blocked int8 tiles
     hz_dequant_fn dequant_row;
     int gemm_nr;          // weight rows per GEMM register tile (thread chunks are multiples of it)
+    int table;            // HzTableSlot the format reads (hz_tables), -1 if none
 };
 struct HzIsa {
     const char* name;
@@ -42,13 +45,9 @@ extern "C" {
 const HzIsa* hz_isa_scalar();
 const HzIsa* hz_isa_avx2();
 const HzIsa* hz_isa_avx512();
-// Codebook grids of the i-quants (int8 rows), set from gguf.quants before use.
-extern const int8_t* hz_grid_iq2xxs;
-extern const int8_t* hz_grid_iq2xs;
-extern const int8_t* hz_grid_iq2s;
-extern const int8_t* hz_grid_iq3xxs;
-extern const int8_t* hz_grid_iq3s;
-extern const int8_t* hz_grid_iq1s;
+// Constant tables by HzTableSlot (the i-quant codebook grids, int8 rows), installed from the
+// format registry (set_table) before use.
+extern const int8_t* hz_tables[HZ_N_TABLES];
 // Software prefetch distance of the mat-vec weight stream, bytes (tuned, see ops.cpp).
 extern int64_t hz_prefetch_bytes;
 }

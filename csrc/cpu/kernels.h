@@ -219,25 +219,27 @@ static inline void prep_k4_scales(const uint8_t* s, PrepK& p) {  // Q4_K/Q5_K 12
 
 template <> struct Hooks<FQ4_K> {
     static constexpr bool SIGNED = false, HAS_MIN = true, SC_PAIRS = true, DM_F16 = true, PREP_AHEAD = true;
+    static_assert(HZ_OFF(FQ4_K, d) == 0 && HZ_OFF(FQ4_K, dmin) == 2, "DM_F16: d, dmin lead the block");
     static constexpr int MIN_LOG2 = -1;
     typedef PrepK Prep;
-    static inline void prep(const uint8_t* b, Prep& p) { prep_k4_scales(b + 4, p); p.d = f16c(b); p.dmin = f16c(b + 2); }
+    static inline void prep(const uint8_t* b, Prep& p) { prep_k4_scales(b + HZ_OFF(FQ4_K, scales), p); p.d = f16c(b + HZ_OFF(FQ4_K, d)); p.dmin = f16c(b + HZ_OFF(FQ4_K, dmin)); }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
-        __m256i v = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (c >> 1)));
+        __m256i v = _mm256_loadu_si256((const __m256i*)(b + HZ_OFF(FQ4_K, qs) + 32 * (c >> 1)));
         if (c & 1) v = _mm256_srli_epi16(v, 4);
         return _mm256_and_si256(v, _mm256_set1_epi8(15));
     }
 };
 template <> struct Hooks<FQ5_K> {
     static constexpr bool SIGNED = false, HAS_MIN = true, SC_PAIRS = true, DM_F16 = true, PREP_AHEAD = false;
+    static_assert(HZ_OFF(FQ5_K, d) == 0 && HZ_OFF(FQ5_K, dmin) == 2, "DM_F16: d, dmin lead the block");
     static constexpr int MIN_LOG2 = -1;
     typedef PrepK Prep;
-    static inline void prep(const uint8_t* b, Prep& p) { prep_k4_scales(b + 4, p); p.d = f16c(b); p.dmin = f16c(b + 2); }
+    static inline void prep(const uint8_t* b, Prep& p) { prep_k4_scales(b + HZ_OFF(FQ5_K, scales), p); p.d = f16c(b + HZ_OFF(FQ5_K, d)); p.dmin = f16c(b + HZ_OFF(FQ5_K, dmin)); }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
-        __m256i v = _mm256_loadu_si256((const __m256i*)(b + 48 + 32 * (c >> 1)));
+        __m256i v = _mm256_loadu_si256((const __m256i*)(b + HZ_OFF(FQ5_K, qs) + 32 * (c >> 1)));
         if (c & 1) v = _mm256_srli_epi16(v, 4);
         v = _mm256_and_si256(v, _mm256_set1_epi8(15));
-        __m256i h = _mm256_loadu_si256((const __m256i*)(b + 16));
+        __m256i h = _mm256_loadu_si256((const __m256i*)(b + HZ_OFF(FQ5_K, qh)));
         h = c <= 4 ? _mm256_slli_epi16(h, 4 - c) : _mm256_srli_epi16(h, c - 4);
         return _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(16)));
     }
@@ -247,17 +249,17 @@ template <> struct Hooks<FQ6_K> {  // unsigned q6 with min 32*sc: no sign fix-up
     static constexpr int MIN_LOG2 = 5;
     typedef PrepK Prep;
     static inline void prep(const uint8_t* b, Prep& p) {
-        p.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));
+        p.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + HZ_OFF(FQ6_K, scales))));
         p.mn16 = p.sc16;
-        p.d = f16c(b + 208);
+        p.d = f16c(b + HZ_OFF(FQ6_K, d));
         p.dmin = 32.f * p.d;
     }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
         const int h = c >> 2, k = c & 3;
-        __m256i lo = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (k & 1)));
+        __m256i lo = _mm256_loadu_si256((const __m256i*)(b + HZ_OFF(FQ6_K, ql) + 64 * h + 32 * (k & 1)));
         if (k >= 2) lo = _mm256_srli_epi16(lo, 4);
         lo = _mm256_and_si256(lo, _mm256_set1_epi8(15));
-        __m256i hb = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+        __m256i hb = _mm256_loadu_si256((const __m256i*)(b + HZ_OFF(FQ6_K, qh) + 32 * h));
         hb = k <= 2 ? _mm256_slli_epi16(hb, 4 - 2 * k) : _mm256_srli_epi16(hb, 2);
         return _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
     }
@@ -265,64 +267,68 @@ template <> struct Hooks<FQ6_K> {  // unsigned q6 with min 32*sc: no sign fix-up
 template <> struct Hooks<FQ8_0> {
     static constexpr bool SIGNED = true, HAS_MIN = false;
     typedef Prep32 Prep;
-    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 0.f; }
-    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b + HZ_OFF(FQ8_0, d)); p.dmin = 0.f; }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return _mm256_loadu_si256((const __m256i*)(b + HZ_OFF(FQ8_0, qs))); }
     static constexpr bool S8 = true, Q_MIN128 = true;
     static constexpr bool D16 = true;  // f16 d at byte 0 (dval4 converts 4 at once)
+    static_assert(HZ_OFF(FQ8_0, d) == 0, "D16: d leads the block");
     static constexpr int U_OFF = 0;
-    static inline float dval(const uint8_t* b) { return f16c(b); }
-    static inline __m256i qs8(const uint8_t* b) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
+    static inline float dval(const uint8_t* b) { return f16c(b + HZ_OFF(FQ8_0, d)); }
+    static inline __m256i qs8(const uint8_t* b) { return _mm256_loadu_si256((const __m256i*)(b + HZ_OFF(FQ8_0, qs))); }
 };
 template <> struct Hooks<FQ4_0> {
     static constexpr bool SIGNED = false, HAS_MIN = true;
     typedef Prep32 Prep;
-    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 8.f * p.d; }
-    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi_mem(b + 2); }
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b + HZ_OFF(FQ4_0, d)); p.dmin = 8.f * p.d; }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi_mem(b + HZ_OFF(FQ4_0, qs)); }
     static constexpr bool S8 = true, Q_MIN128 = false;
     static constexpr bool D16 = true;  // f16 d at byte 0 (dval4 converts 4 at once)
+    static_assert(HZ_OFF(FQ4_0, d) == 0, "D16: d leads the block");
     static constexpr int U_OFF = 8;
-    static inline float dval(const uint8_t* b) { return f16c(b); }
+    static inline float dval(const uint8_t* b) { return f16c(b + HZ_OFF(FQ4_0, d)); }
 };
 template <> struct Hooks<FQ5_0> {
     static constexpr bool SIGNED = false, HAS_MIN = true;
     typedef Prep32 Prep;
-    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 16.f * p.d; }
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b + HZ_OFF(FQ5_0, d)); p.dmin = 16.f * p.d; }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
-        return _mm256_or_si256(nibbles_lohi_mem(b + 6), bits_to_bytes(rd_u32(b + 2), 16));
+        return _mm256_or_si256(nibbles_lohi_mem(b + HZ_OFF(FQ5_0, qs)), bits_to_bytes(rd_u32(b + HZ_OFF(FQ5_0, qh)), 16));
     }
     static constexpr bool S8 = true, Q_MIN128 = false;
     static constexpr bool D16 = true;  // f16 d at byte 0 (dval4 converts 4 at once)
+    static_assert(HZ_OFF(FQ5_0, d) == 0, "D16: d leads the block");
     static constexpr int U_OFF = 16;
-    static inline float dval(const uint8_t* b) { return f16c(b); }
+    static inline float dval(const uint8_t* b) { return f16c(b + HZ_OFF(FQ5_0, d)); }
 };
 template <> struct Hooks<FQ4_1> {  // value = d * nibble + m: min term with dmin = -m
     static constexpr bool SIGNED = false, HAS_MIN = true, S8 = false, Q_MIN128 = false;
     static constexpr int U_OFF = 0;
     typedef Prep32 Prep;
-    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = -f16c(b + 2); }
-    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi_mem(b + 4); }
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b + HZ_OFF(FQ4_1, d)); p.dmin = -f16c(b + HZ_OFF(FQ4_1, m)); }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int) { return nibbles_lohi_mem(b + HZ_OFF(FQ4_1, qs)); }
 };
 template <> struct Hooks<FQ5_1> {  // value = d * (nibble | bit << 4) + m
     static constexpr bool SIGNED = false, HAS_MIN = true, S8 = false, Q_MIN128 = false;
     static constexpr int U_OFF = 0;
     typedef Prep32 Prep;
-    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = -f16c(b + 2); }
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b + HZ_OFF(FQ5_1, d)); p.dmin = -f16c(b + HZ_OFF(FQ5_1, m)); }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
-        return _mm256_or_si256(nibbles_lohi_mem(b + 8), bits_to_bytes(rd_u32(b + 4), 16));
+        return _mm256_or_si256(nibbles_lohi_mem(b + HZ_OFF(FQ5_1, qs)), bits_to_bytes(rd_u32(b + HZ_OFF(FQ5_1, qh)), 16));
     }
 };
 template <> struct Hooks<FIQ4_NL> {
     static constexpr bool SIGNED = true, HAS_MIN = false;
     typedef Prep32 Prep;
-    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b); p.dmin = 0.f; }
+    static inline void prep(const uint8_t* b, Prep& p) { p.d = f16c(b + HZ_OFF(FIQ4_NL, d)); p.dmin = 0.f; }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
-        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_iq4nl_));
-        return _mm256_shuffle_epi8(tab, nibbles_lohi_mem(b + 2));
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)hz_kvalues_iq4_nl));
+        return _mm256_shuffle_epi8(tab, nibbles_lohi_mem(b + HZ_OFF(FIQ4_NL, qs)));
     }
     static constexpr bool S8 = true, Q_MIN128 = false;
     static constexpr bool D16 = true;  // f16 d at byte 0 (dval4 converts 4 at once)
+    static_assert(HZ_OFF(FIQ4_NL, d) == 0, "D16: d leads the block");
     static constexpr int U_OFF = 0;
-    static inline float dval(const uint8_t* b) { return f16c(b); }
+    static inline float dval(const uint8_t* b) { return f16c(b + HZ_OFF(FIQ4_NL, d)); }
     static inline __m256i qs8(const uint8_t* b) { return chunk(b, Prep(), 0); }
 };
 
@@ -330,13 +336,13 @@ template <> struct Hooks<FMXFP4> {
     static constexpr bool SIGNED = true, HAS_MIN = false;
     typedef Prep32 Prep;
     static inline void prep(const uint8_t* b, Prep& p) {
-        uint32_t e = b[0], bits = e < 2 ? (0x00200000u << e) : ((e - 1) << 23);
+        uint32_t e = b[HZ_OFF(FMXFP4, e)], bits = e < 2 ? (0x00200000u << e) : ((e - 1) << 23);
         memcpy(&p.d, &bits, 4);
         p.dmin = 0.f;
     }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int) {
-        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_mxfp4_));
-        return _mm256_shuffle_epi8(tab, nibbles_lohi_mem(b + 1));
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)hz_kvalues_mxfp4));
+        return _mm256_shuffle_epi8(tab, nibbles_lohi_mem(b + HZ_OFF(FMXFP4, qs)));
     }
     static constexpr bool S8 = true, Q_MIN128 = false;
     static constexpr bool D16 = false;
@@ -350,15 +356,15 @@ template <> struct Hooks<FIQ4_XS> {
     typedef PrepK Prep;
     static inline void prep(const uint8_t* b, Prep& p) {
         // 8 six-bit scales, sub-block ib in byte ib: low nibble from scales_l, 2 high bits from scales_h
-        const uint64_t ls = spread_nibbles(rd_u32(b + 4)) | (spread_2bits(rd_u16(b + 2)) << 4);
+        const uint64_t ls = spread_nibbles(rd_u32(b + HZ_OFF(FIQ4_XS, scales_l))) | (spread_2bits(rd_u16(b + HZ_OFF(FIQ4_XS, scales_h))) << 4);
         const __m128i v = _mm_shuffle_epi8(_mm_cvtsi64_si128((long long)ls), _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
         p.sc16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(v), _mm256_set1_epi16(32));
-        p.d = f16c(b);
+        p.d = f16c(b + HZ_OFF(FIQ4_XS, d));
         p.dmin = 0.f;
     }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
-        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues_iq4nl_));
-        return _mm256_shuffle_epi8(tab, nibbles_lohi_mem(b + 8 + 16 * c));
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)hz_kvalues_iq4_xs));
+        return _mm256_shuffle_epi8(tab, nibbles_lohi_mem(b + HZ_OFF(FIQ4_XS, qs) + 16 * c));
     }
 };
 template <> struct Hooks<FQ2_K> {  // scales[16]: low nibble scale, high nibble min | qs[64] 2-bit | d | dmin
@@ -366,14 +372,14 @@ template <> struct Hooks<FQ2_K> {  // scales[16]: low nibble scale, high nibble 
     static constexpr int MIN_LOG2 = -1;
     typedef PrepK Prep;
     static inline void prep(const uint8_t* b, Prep& p) {
-        const __m128i s = _mm_loadu_si128((const __m128i*)b), m4 = _mm_set1_epi8(15);
+        const __m128i s = _mm_loadu_si128((const __m128i*)(b + HZ_OFF(FQ2_K, scales))), m4 = _mm_set1_epi8(15);
         p.sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, m4));
         p.mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), m4));
-        p.d = f16c(b + 80);
-        p.dmin = f16c(b + 82);
+        p.d = f16c(b + HZ_OFF(FQ2_K, d));
+        p.dmin = f16c(b + HZ_OFF(FQ2_K, dmin));
     }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {  // values 32c..: bits 2*(c%4) of qs[32*(c/4)..]
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (c >> 2)));
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(b + HZ_OFF(FQ2_K, qs) + 32 * (c >> 2)));
         return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (c & 3)), _mm256_set1_epi8(3));
     }
 };
@@ -384,21 +390,21 @@ template <> struct Hooks<FQ3_K> {  // unsigned q3 = 2 low bits | high bit << 2, 
     static inline void prep(const uint8_t* b, Prep& p) {
         // 16 six-bit scales: low nibbles of bytes 0-7 (groups 0-7) then their high nibbles (8-15);
         // 2 high bits of group g at bits 2*(g/4) of byte 8 + g%4
-        const uint64_t lo = rd_u64(b + 96), h = rd_u32(b + 104);
+        const uint64_t lo = rd_u64(b + HZ_OFF(FQ3_K, scales)), h = rd_u32(b + HZ_OFF(FQ3_K, scales) + 8);
         const uint64_t hlo = (h & 0x03030303u) | (((h >> 2) & 0x03030303u) << 32);
         const uint64_t hhi = ((h >> 4) & 0x03030303u) | (((h >> 6) & 0x03030303u) << 32);
         const __m128i v = _mm_set_epi64x((long long)(((lo >> 4) & 0x0f0f0f0f0f0f0f0fULL) | (hhi << 4)),
                                          (long long)((lo & 0x0f0f0f0f0f0f0f0fULL) | (hlo << 4)));
         p.sc16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(v), _mm256_set1_epi16(32));
         p.mn16 = _mm256_slli_epi16(p.sc16, 2);
-        p.d = f16c(b + 108);
+        p.d = f16c(b + HZ_OFF(FQ3_K, d));
         p.dmin = p.d;
     }
     static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
         const int h = c >> 2, j = c & 3, hs = 4 * h + j;
-        __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 + 32 * h)), 2 * j),
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(b + HZ_OFF(FQ3_K, qs) + 32 * h)), 2 * j),
                                      _mm256_set1_epi8(3));
-        __m256i hb = _mm256_loadu_si256((const __m256i*)b);
+        __m256i hb = _mm256_loadu_si256((const __m256i*)(b + HZ_OFF(FQ3_K, hmask)));
         hb = hs >= 2 ? _mm256_srli_epi16(hb, hs - 2) : _mm256_slli_epi16(hb, 2 - hs);
         return _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(4)));
     }
@@ -446,10 +452,10 @@ static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8
 
 // ------------------------------------------------------------------------------ tables
 #if HZ_ISA >= 1
-#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matvec_simd<T>, &gemm_simd<T>, &dequant_row<T>, HZ_GEMM_NR},
+#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matvec_simd<T>, &gemm_simd<T>, &dequant_row<T>, HZ_GEMM_NR, TableOf<T>::value},
 #define HZ_QUANT quantize_simd
 #else
-#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matmul_scalar<T>, &matmul_scalar<T>, &dequant_row<T>, 1},
+#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matmul_scalar<T>, &matmul_scalar<T>, &dequant_row<T>, 1, TableOf<T>::value},
 #define HZ_QUANT quantize_scalar
 #endif
 static const HzFormatKernels hz_format_table[] = {HZ_FOR_EACH_FORMAT(HZ_ENTRY)};

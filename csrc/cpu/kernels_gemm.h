@@ -249,6 +249,8 @@ static void gemm_simd_pairs(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1
 template <class T>
 static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
                       float* y, int64_t ldy) {
+    // the min terms of blocks other than 32 values read 16 sums per block (xs + b * 16)
+    static_assert(T::QK == 32 || T::QK == 256 || !Hooks<T>::HAS_MIN, "a min term needs 32- or 256-value blocks");
     if constexpr (T::QK != 32 && Hooks<T>::HAS_MIN && GemmMinRatio<T>::value == 0)
         gemm_simd_rows<T>(W, rb, n0, n1, a, M, y, ldy);
     else

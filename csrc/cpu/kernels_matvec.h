@@ -92,6 +92,8 @@ static inline float matvec_row(const uint8_t* row, const HzAct* a, int64_t m) {
         return hsum8(_mm256_add_ps(acc, acc2)) - (accs[0] + accs[1]);
       }
     } else {
+        // the min terms read 16 activation sums per block (xs + b * 16)
+        static_assert(T::QK == 256 || !H::HAS_MIN, "a min term needs 32- or 256-value blocks");
         typename H::Prep pn;
         if (H::PREP_AHEAD && nb > 0) H::prep(row, pn);
         for (int64_t b = 0; b < nb; ++b) {

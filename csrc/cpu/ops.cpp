@@ -19,12 +19,7 @@
 #include "hz_api.h"
 
 extern "C" {
-const int8_t* hz_grid_iq2xxs = nullptr;
-const int8_t* hz_grid_iq2xs = nullptr;
-const int8_t* hz_grid_iq2s = nullptr;
-const int8_t* hz_grid_iq3xxs = nullptr;
-const int8_t* hz_grid_iq3s = nullptr;
-const int8_t* hz_grid_iq1s = nullptr;
+const int8_t* hz_tables[HZ_N_TABLES] = {};
 int64_t hz_prefetch_bytes = 2048;  // 2-4 KiB measured best on Zen 3 (DRAM stream, 1 thread)
 }
 // Mat-vec task size of the dynamic row split (RowSplit): 256 KiB of weights, at least
@@ -36,7 +31,7 @@ static int64_t hz_mv_chunk_bytes = 262144, hz_mv_min_chunks = 4;
 
 namespace {
 
-std::vector<torch::Tensor> g_grids;  // keeps the grid tables alive
+torch::Tensor g_tables[HZ_N_TABLES];  // keeps the installed tables alive
 
 // ISA levels: 0 scalar, 1 avx2 (+fma+f16c), 2 avx512 (vl, bw, vnni).
 bool isa_supported(int64_t level) {
@@ -63,18 +58,16 @@ const HzFormatKernels& format_kernels(const HzIsa* isa, int64_t type_id) {
     TORCH_CHECK(false, "hanzo cpu: no kernel for ggml type id ", type_id);
 }
 
+// The table a format reads (HzFormatKernels::table) must be installed before its kernels run.
 void check_grid(int64_t type_id) {
-    const int8_t* g = nullptr;
-    switch (type_id) {
-        case 16: g = hz_grid_iq2xxs; break;
-        case 17: g = hz_grid_iq2xs; break;
-        case 22: g = hz_grid_iq2s; break;
-        case 18: g = hz_grid_iq3xxs; break;
-        case 21: g = hz_grid_iq3s; break;
-        case 19: case 29: g = hz_grid_iq1s; break;
-        default: return;
-    }
-    TORCH_CHECK(g != nullptr, "hanzo cpu: grid table for ggml type ", type_id, " not set (call set_grid)");
+    const HzIsa* isa = hz_isa_scalar();
+    for (int i = 0; i < isa->n_formats; ++i)
+        if (isa->formats[i].type_id == type_id) {
+            const int slot = isa->formats[i].table;
+            TORCH_CHECK(slot < 0 || hz_tables[slot] != nullptr, "hanzo cpu: table slot ", slot, " of ggml type ",
+                        type_id, " not set (call set_table)");
+            return;
+        }
 }
 
 struct QuantAct {
@@ -376,27 +369,20 @@ torch::Tensor dequantize_rows(torch::Tensor w, int64_t type_id, int64_t isa_leve
 // The activation quantization alone (for tests): x [M, K] -> (q int8 [M,K], d f32 [M,K/qa], s int16 [M,K/16])
 std::vector<torch::Tensor> quantize_activation(torch::Tensor x, int64_t qa, int64_t isa_level) {
     const HzIsa* isa = isa_table(isa_level);
-    TORCH_CHECK(qa == 32 || qa == 256, "quantize_activation: qa must be 32 or 256");
+    TORCH_CHECK(qa > 0 && qa % 32 == 0, "quantize_activation: qa must be a multiple of 32");
     TORCH_CHECK(x.dim() == 2 && x.size(1) % qa == 0, "quantize_activation: x must be [M, K] with K % qa == 0");
     torch::Tensor xf = x.to(torch::kFloat32).contiguous();
     QuantAct r = quantize_act(isa, xf, qa);
     return {r.q, r.d, r.s};
 }
 
-void set_grid(int64_t type_id, torch::Tensor grid) {
-    TORCH_CHECK(grid.scalar_type() == torch::kInt8 && grid.dim() == 2, "set_grid: grid must be 2-D int8");
-    grid = grid.contiguous();
-    g_grids.push_back(grid);
-    const int8_t* p = grid.data_ptr<int8_t>();
-    switch (type_id) {
-        case 16: hz_grid_iq2xxs = p; break;
-        case 17: hz_grid_iq2xs = p; break;
-        case 22: hz_grid_iq2s = p; break;
-        case 18: hz_grid_iq3xxs = p; break;
-        case 21: hz_grid_iq3s = p; break;
-        case 19: hz_grid_iq1s = p; break;
-        default: TORCH_CHECK(false, "set_grid: ggml type ", type_id, " has no grid");
-    }
+// Install table `slot` (an HzTableSlot of ggml_blocks.h): int8 values, hz_table_numel[slot] of them.
+void set_table(int64_t slot, torch::Tensor table) {
+    TORCH_CHECK(slot >= 0 && slot < HZ_N_TABLES, "set_table: slot ", slot, " out of range [0, ", HZ_N_TABLES, ")");
+    TORCH_CHECK(table.scalar_type() == torch::kInt8 && table.numel() == hz_table_numel[slot], "set_table: slot ", slot,
+                " needs ", hz_table_numel[slot], " int8 values, got ", table.numel(), " of ", table.scalar_type());
+    g_tables[slot] = table.contiguous().clone();
+    hz_tables[slot] = g_tables[slot].data_ptr<int8_t>();
 }
 
 std::vector<int64_t> supported_isas() {
@@ -761,7 +747,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("get_rows", &get_rows, "rows of a packed weight -> [n,K] f32");
     m.def("dequantize_rows", &dequantize_rows, "packed [N,rb] -> [N,K] f32");
     m.def("quantize_activation", &quantize_activation, "x [M,K] -> int8 blocks (q, d, sums per 16)");
-    m.def("set_grid", &set_grid, "install an i-quant codebook grid");
+    m.def("set_table", &set_table, "install a constant table (i-quant grid) into its HzTableSlot");
     m.def("supported_isas", &supported_isas, "ISA levels this CPU runs: 0 scalar, 1 avx2, 2 avx512");
     m.def("set_prefetch_bytes", [](int64_t b) { hz_prefetch_bytes = b; }, "mat-vec software prefetch distance (bytes)");
     m.def("set_matvec_chunk_bytes", [](int64_t bytes, int64_t min_per_thread) { hz_mv_chunk_bytes = std::max<int64_t>(1, bytes); hz_mv_min_chunks = std::max<int64_t>(1, min_per_thread); },
@@ -773,7 +759,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_isa", &dispatch::set_isa, "ISA level of the registered kernels: 0 scalar, 1 avx2, 2 avx512");
     m.def("set_reference", &dispatch::set_reference, "reference mode of one hanzo op (its calls run hanzo_ref)");
     m.def("native_ops", &dispatch::native_ops, "the hanzo ops with a kernel on the CPU dispatch key");
-    m.def("formats", &formats, "(ggml type id, block size, block bytes) of every format");
+    m.def("formats", &formats, "(ggml type id, block size, block bytes) of every format with a kernel");
 }
 
 TORCH_LIBRARY_IMPL(hanzo, CPU, m) {

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 __all__ = [
     "Format",
+    "Field",
+    "VEC_DOT_TYPES",
     "register",
     "get_format",
     "FORMATS",
@@ -30,6 +32,43 @@ __all__ = [
     "quantize",
     "row_bytes",
 ]
+
+
+C_TYPE_BYTES = {"ggml_half": 2, "uint8_t": 1, "int8_t": 1, "uint16_t": 2, "uint32_t": 4, "float": 4}
+"""Bytes of each C type a block field may have (ggml's ``ggml_half`` is an IEEE fp16 in a uint16_t)."""
+
+VEC_DOT_TYPES = ("q8_0", "q8_1", "q8_K")
+"""ggml's activation block types a weight block is dotted with (``type_traits_cpu.vec_dot_type``)."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a ggml block struct (``ggml-common.h``), e.g. ``uint8_t scales[12]`` of Q4_K.
+
+    Attributes:
+        name: the field's name in ggml's struct (``"d"``, ``"qs"``, ``"scales"``).
+        ctype: its C element type, a key of :data:`C_TYPE_BYTES`.
+        count: array length; 0 for a scalar field.
+        offset: byte offset within the block.
+        scale: the float scale this field holds, for fields that hold one: ``"f16"``, ``"f32"``,
+            ``"bf16"``, ``"e8m0"``, ``"ue4m3"`` (one per element), or ``"f16_iq1m"`` (IQ1_M's fp16
+            ``d``, spread over the top nibbles of its four uint16 ``scales`` words); None otherwise.
+    """
+
+    name: str
+    ctype: str
+    count: int
+    offset: int
+    scale: Optional[str] = None
+
+    @property
+    def nbytes(self) -> int:
+        return C_TYPE_BYTES[self.ctype] * max(self.count, 1)
+
+    @property
+    def bytes(self) -> slice:
+        """The field's byte slice within a block."""
+        return slice(self.offset, self.offset + self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -46,6 +85,16 @@ class Format:
         quantize_blocks: ``float32 [n, block_size] -> uint8 [n, type_size]`` or None when
             hanzo-torch cannot quantize to this format.
         dense: True for F32/F16/BF16 (block size 1).
+        fields: the block struct, in declaration order (:class:`Field`; offsets add up to
+            ``type_size``, checked at registration). Backends read bytes by field name.
+        vec_dot_type: ggml's activation block type for dot products with this format
+            (``"q8_0"``, ``"q8_1"`` or ``"q8_K"``, as ``ggml-cpu``'s ``vec_dot_type``); None for
+            dense formats.
+        tables: constant tables of the format, by name (``"grid"``: an i-quant codebook, float32
+            ``[entries, width]``; ``"kvalues"``: the levels of a 4-bit code, float32 ``[16]``),
+            each a :class:`~hanzo_torch.formats._bits.DeviceTable` read from ``gguf.quants``.
+        group_len: values per group that shares one scale and one offset (the grouped form
+            ``w = scale * code + offset`` of a kernel); 0 for dense formats.
     """
 
     name: str
@@ -55,6 +104,21 @@ class Format:
     dequantize_blocks: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
     quantize_blocks: Optional[Callable[[torch.Tensor], torch.Tensor]] = field(default=None, repr=False)
     dense: bool = False
+    fields: tuple = ()
+    vec_dot_type: Optional[str] = None
+    tables: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    group_len: int = 0
+
+    def field(self, name: str) -> Field:
+        """The :class:`Field` called ``name``; KeyError naming the format and its fields if none."""
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"{self.name} has no block field {name!r}; fields: {[f.name for f in self.fields]}")
+
+    def offset(self, name: str) -> int:
+        """Byte offset of field ``name`` within a block."""
+        return self.field(name).offset
 
     @property
     def bits_per_weight(self) -> float:
@@ -77,9 +141,30 @@ def register(fmt: Format) -> Format:
     """Add a format trait to the registry (called once per format at import)."""
     if fmt.name in FORMATS or fmt.type_id in _BY_ID:
         raise ValueError(f"format {fmt.name} (id {fmt.type_id}) registered twice")
+    _check_trait(fmt)
     FORMATS[fmt.name] = fmt
     _BY_ID[fmt.type_id] = fmt
     return fmt
+
+
+def _check_trait(fmt: Format) -> None:
+    """The consistency checks ggml puts next to each block struct (``static_assert`` sizes)."""
+    pos = 0
+    for f in fmt.fields:
+        if f.ctype not in C_TYPE_BYTES:
+            raise ValueError(f"{fmt.name}.{f.name}: unknown C type {f.ctype!r}")
+        if f.offset != pos:
+            raise ValueError(f"{fmt.name}.{f.name}: offset {f.offset}, expected {pos}")
+        pos += f.nbytes
+    if fmt.fields and pos != fmt.type_size:
+        raise ValueError(f"{fmt.name}: block fields add up to {pos} bytes, type size is {fmt.type_size}")
+    if not fmt.dense:
+        if not fmt.fields:
+            raise ValueError(f"{fmt.name}: a quantized format must declare its block fields")
+        if fmt.vec_dot_type not in VEC_DOT_TYPES:
+            raise ValueError(f"{fmt.name}: vec_dot_type {fmt.vec_dot_type!r} is not one of {VEC_DOT_TYPES}")
+        if fmt.group_len <= 0 or fmt.block_size % fmt.group_len:
+            raise ValueError(f"{fmt.name}: group_len {fmt.group_len} does not divide the block size {fmt.block_size}")
 
 
 def get_format(qtype: Union[str, int, "Format"]) -> Format:
@@ -177,7 +262,7 @@ def quantize(tensor: torch.Tensor, qtype: Union[str, int, Format]) -> torch.Tens
 
 
 # Each module registers its formats at import. Order: dense, legacy, K-quants, i-quants,
-# ternary, fp4.
-from . import dense, legacy, kquants, iquants, ternary, fp4  # noqa: E402,F401
+# ternary, fp4, binary.
+from . import dense, legacy, kquants, iquants, ternary, fp4, binary  # noqa: E402,F401
 
 QUANTIZED_FORMATS = tuple(f.name for f in FORMATS.values() if not f.dense)

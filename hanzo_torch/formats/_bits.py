@@ -5,7 +5,9 @@ The format modules (``dense``, ``legacy``, ``kquants``, ``iquants``, ``ternary``
 lives here:
 
 * building and checking: :func:`make_format` (id and sizes read from ``gguf``),
-  :func:`block_layout` (field sizes -> byte slices, checked against gguf's type size),
+  :func:`block_layout` (typed fields -> a :class:`Layout` of byte slices and
+  :class:`~hanzo_torch.formats.Field` s, checked against gguf's type size), the field types
+  :func:`half`, :func:`u8`, :func:`i8`, :func:`u16`, :func:`u32`, :func:`f32`,
   :func:`check_blocks` (``uint8 [n, type_size]`` arguments), :func:`check_values`
   (``[n, block_size]`` quantizer arguments);
 * bytes and words: :func:`view_bytes_as`, :func:`le_bytes`, :func:`le_u16`, :func:`le_u32`;
@@ -24,17 +26,18 @@ little-endian host, as ggml files are little-endian.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import Format
+from . import Field, Format
 
 __all__ = [
     # building and checking
-    "make_format", "block_layout", "check_blocks", "check_values",
+    "make_format", "block_layout", "Layout", "check_blocks", "check_values",
+    "half", "u8", "i8", "u16", "u32", "f32",
     # bytes and words
     "view_bytes_as", "le_bytes", "le_u16", "le_u32",
     # floats
@@ -62,8 +65,17 @@ def make_format(
     dequantize_blocks: Callable[[torch.Tensor], torch.Tensor],
     quantize_blocks: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     dense: bool = False,
+    *,
+    layout: Optional["Layout"] = None,
+    vec_dot_type: Optional[str] = None,
+    tables: Optional[Mapping[str, "DeviceTable"]] = None,
+    group_len: int = 0,
 ) -> Format:
-    """A :class:`Format` for ggml type ``name`` with id, block and type size taken from ``gguf``."""
+    """A :class:`Format` for ggml type ``name`` with id, block and type size taken from ``gguf``.
+
+    ``layout`` (from :func:`block_layout`) gives the trait's fields; ``vec_dot_type``,
+    ``tables`` and ``group_len`` are the trait's attributes of the same names.
+    """
     qtype = GGMLQuantizationType[name]
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     return Format(
@@ -74,25 +86,78 @@ def make_format(
         dequantize_blocks=dequantize_blocks,
         quantize_blocks=quantize_blocks,
         dense=dense,
+        fields=layout.fields if layout is not None else (),
+        vec_dot_type=vec_dot_type,
+        tables=dict(tables or {}),
+        group_len=group_len,
     )
 
 
-def block_layout(name: str, **field_bytes: int) -> dict[str, slice]:
-    """Byte slices of the fields of one ggml block, in declaration order.
+class _FieldType:
+    """A field's C type and array length, before its offset is known (see :func:`block_layout`)."""
 
-    ``block_layout("Q4_0", d=2, qs=16)`` returns ``{"d": slice(0, 2), "qs": slice(2, 18)}``.
+    def __init__(self, ctype: str, count: int, scale: Optional[str]):
+        self.ctype, self.count, self.scale = ctype, count, scale
+
+
+def half(count: int = 0) -> _FieldType:
+    """``ggml_half`` (fp16) field, ``count`` elements (0: a scalar); holds an f16 scale."""
+    return _FieldType("ggml_half", count, "f16")
+
+
+def u8(count: int = 0, scale: Optional[str] = None) -> _FieldType:
+    """``uint8_t`` field (``scale``: the kind of one-byte scale it holds, e.g. ``"e8m0"``)."""
+    return _FieldType("uint8_t", count, scale)
+
+
+def i8(count: int = 0) -> _FieldType:
+    """``int8_t`` field."""
+    return _FieldType("int8_t", count, None)
+
+
+def u16(count: int = 0, scale: Optional[str] = None) -> _FieldType:
+    """``uint16_t`` field (little-endian words)."""
+    return _FieldType("uint16_t", count, scale)
+
+
+def u32(count: int = 0) -> _FieldType:
+    """``uint32_t`` field (little-endian words)."""
+    return _FieldType("uint32_t", count, None)
+
+
+def f32(count: int = 0) -> _FieldType:
+    """``float`` field; holds an f32 value."""
+    return _FieldType("float", count, "f32")
+
+
+class Layout(dict):
+    """Byte slices of a block's fields by name (a ``dict[str, slice]``) plus the typed
+    :class:`~hanzo_torch.formats.Field` s in declaration order (``.fields``)."""
+
+    fields: tuple
+
+
+def block_layout(name: str, **field_types: _FieldType) -> Layout:
+    """The fields of one ggml block, in declaration order, as ggml's struct declares them.
+
+    ``block_layout("Q4_0", d=half(), qs=u8(16))`` (``struct block_q4_0 { ggml_half d;
+    uint8_t qs[16]; }``) returns a :class:`Layout` equal to ``{"d": slice(0, 2),
+    "qs": slice(2, 18)}`` whose ``.fields`` are the typed fields with their offsets.
 
     Raises:
         AssertionError: the sizes do not add up to ``gguf.GGML_QUANT_SIZES[name][1]`` (a layout
             that disagrees with gguf is a bug in hanzo-torch, caught at import; the size
             assertion ggml puts next to each block struct).
     """
-    out, pos = {}, 0
-    for field, size in field_bytes.items():
-        out[field] = slice(pos, pos + size)
-        pos += size
+    out, fields, pos = Layout(), [], 0
+    for fname, ft in field_types.items():
+        f = Field(fname, ft.ctype, ft.count, pos, ft.scale)
+        fields.append(f)
+        out[fname] = f.bytes
+        pos += f.nbytes
     type_size = _sizes(name)[1]
     assert pos == type_size, f"{name}: block fields add up to {pos} bytes, gguf says {type_size}"
+    out.fields = tuple(fields)
     return out
 
 

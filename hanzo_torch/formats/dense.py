@@ -11,7 +11,10 @@ from __future__ import annotations
 import torch
 
 from . import register
-from ._bits import check_blocks, check_values, fp16_bytes, fp16_field, le_bytes, make_format, view_bytes_as
+from ._bits import (
+    block_layout, check_blocks, check_values, f32, fp16_bytes, fp16_field, half, le_bytes, make_format, u16,
+    view_bytes_as,
+)
 
 __all__ = ["F32", "F16", "BF16"]
 
@@ -54,6 +57,7 @@ def _bf16_quantize(values: torch.Tensor) -> torch.Tensor:
     return le_bytes(n & 0xFFFF, 2)
 
 
-F32 = register(make_format("F32", _f32_dequantize, _f32_quantize, dense=True))
-F16 = register(make_format("F16", _f16_dequantize, _f16_quantize, dense=True))
-BF16 = register(make_format("BF16", _bf16_dequantize, _bf16_quantize, dense=True))
+F32 = register(make_format("F32", _f32_dequantize, _f32_quantize, dense=True, layout=block_layout("F32", v=f32())))
+F16 = register(make_format("F16", _f16_dequantize, _f16_quantize, dense=True, layout=block_layout("F16", v=half())))
+BF16 = register(make_format("BF16", _bf16_dequantize, _bf16_quantize, dense=True,
+                            layout=block_layout("BF16", v=u16(scale="bf16"))))

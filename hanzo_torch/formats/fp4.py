@@ -20,7 +20,7 @@ from gguf import quants as _gq
 from . import register
 from ._bits import (
     DeviceTable, block_layout, check_blocks, check_values, lookup, make_format, pack_bits,
-    table_from_gguf, unpack_bits,
+    table_from_gguf, u8, unpack_bits,
 )
 
 __all__ = ["FP4_FORMATS"]
@@ -47,7 +47,7 @@ FP4_FORMATS: tuple[str, ...] = ()
 # ---------------------------------------------------------------------------------------------
 if hasattr(_gq, "MXFP4") and hasattr(GGMLQuantizationType, "MXFP4"):
     QK_MXFP4 = GGML_QUANT_SIZES[GGMLQuantizationType.MXFP4][0]  # 32
-    _MXFP4 = block_layout("MXFP4", e=1, qs=QK_MXFP4 // 2)
+    _MXFP4 = block_layout("MXFP4", e=u8(scale="e8m0"), qs=u8(QK_MXFP4 // 2))
     _E8M0_HALF = _byte_table(_gq.MXFP4.e8m0_to_fp32_half)
     _KVALUES_MXFP4 = table_from_gguf(_gq.MXFP4.kvalues, torch.float32)
 
@@ -95,7 +95,8 @@ if hasattr(_gq, "MXFP4") and hasattr(GGMLQuantizationType, "MXFP4"):
         q = err.argmin(dim=-1)  # first minimum on ties, as numpy's argmin
         return torch.cat([e.to(torch.uint8), pack_bits(q, 4, QK_MXFP4 // 2)], dim=1)
 
-    MXFP4 = register(make_format("MXFP4", _mxfp4_dequantize, _mxfp4_quantize))
+    MXFP4 = register(make_format("MXFP4", _mxfp4_dequantize, _mxfp4_quantize, layout=_MXFP4, vec_dot_type="q8_0",
+                                 tables={"kvalues": _KVALUES_MXFP4}, group_len=QK_MXFP4))
     FP4_FORMATS += ("MXFP4",)
 
 
@@ -110,7 +111,7 @@ if hasattr(_gq, "MXFP4") and hasattr(GGMLQuantizationType, "MXFP4"):
 if hasattr(_gq, "NVFP4") and hasattr(GGMLQuantizationType, "NVFP4"):
     QK_NVFP4 = GGML_QUANT_SIZES[GGMLQuantizationType.NVFP4][0]  # 64
     QK_NVFP4_SUB = 16
-    _NVFP4 = block_layout("NVFP4", d=QK_NVFP4 // QK_NVFP4_SUB, qs=QK_NVFP4 // 2)
+    _NVFP4 = block_layout("NVFP4", d=u8(QK_NVFP4 // QK_NVFP4_SUB, scale="ue4m3"), qs=u8(QK_NVFP4 // 2))
     _UE4M3_HALF = _byte_table(_gq.NVFP4.ue4m3_to_fp32)
     _KVALUES_NVFP4 = table_from_gguf(_gq.NVFP4.kvalues, torch.float32)
 
@@ -122,5 +123,6 @@ if hasattr(_gq, "NVFP4") and hasattr(GGMLQuantizationType, "NVFP4"):
         q = unpack_bits(blocks[:, _NVFP4["qs"]], 4, QK_NVFP4_SUB // 2).reshape(n, n_sub, QK_NVFP4_SUB)
         return (d * lookup(_KVALUES_NVFP4, q)).reshape(n, QK_NVFP4)
 
-    NVFP4 = register(make_format("NVFP4", _nvfp4_dequantize))
+    NVFP4 = register(make_format("NVFP4", _nvfp4_dequantize, layout=_NVFP4, vec_dot_type="q8_0",
+                                 tables={"kvalues": _KVALUES_NVFP4}, group_len=QK_NVFP4_SUB))
     FP4_FORMATS += ("NVFP4",)

@@ -23,8 +23,8 @@ from gguf import quants as _gq
 
 from . import register
 from ._bits import (
-    DeviceTable, block_layout, check_blocks, fp16_field, half_bits_to_f32, le_u16, le_u32,
-    lookup, make_format, signs_from_bits, split_bits, table_from_gguf, unpack_bits,
+    DeviceTable, block_layout, check_blocks, fp16_field, half, half_bits_to_f32, le_u16, le_u32,
+    lookup, make_format, signs_from_bits, split_bits, table_from_gguf, u8, u16, unpack_bits,
 )
 
 __all__ = ["IQ_FORMATS", "parity_signs"]
@@ -76,7 +76,7 @@ _IQ1_DELTA = float(_gq.IQ1_S.delta)  # 0.125
 #     aux1 = 4 x 7-bit sign indexes (bits 0..27) | 4-bit group scale ls (bits 28..31)
 #   The 8th sign bit of each 8 weights is the parity of the 7 stored ones (parity_signs).
 # ---------------------------------------------------------------------------------------------
-_IQ2_XXS = block_layout("IQ2_XXS", d=2, qs=QK_K // 4)
+_IQ2_XXS = block_layout("IQ2_XXS", d=half(), qs=u16(QK_K // 8))
 
 
 def _iq2_xxs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,7 @@ def _iq2_xxs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #   scales: a 4-bit scale s per 16 weights (low nibble first)
 #   The 8th sign bit of each 8 weights is the parity of the 7 stored ones (parity_signs).
 # ---------------------------------------------------------------------------------------------
-_IQ2_XS = block_layout("IQ2_XS", d=2, qs=QK_K // 4, scales=QK_K // 32)
+_IQ2_XS = block_layout("IQ2_XS", d=half(), qs=u16(QK_K // 8), scales=u8(QK_K // 32))
 
 
 def _iq2_xs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -115,13 +115,13 @@ def _iq2_xs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # IQ2_S: 2.5625 bits per weight.  x = d * (0.5 + s) * 0.25 * grid[g][j] * sign
-#   struct block_iq2_s { ggml_half d; uint8_t qs[QK_K/8]; uint8_t signs[QK_K/8];
-#                        uint8_t qh[QK_K/32]; uint8_t scales[QK_K/32]; };  // 82 bytes
-#   qs: low 8 bits of a 10-bit grid index g per 8 weights (1024-entry grid)
-#   signs: one explicit sign bit per weight;  qh: the 2 high bits of 4 indexes per byte
+#   struct block_iq2_s { ggml_half d; uint8_t qs[QK_K/4]; uint8_t qh[QK_K/32]; uint8_t scales[QK_K/32]; };
+#   // 82 bytes
+#   qs[0:32]: low 8 bits of a 10-bit grid index g per 8 weights (1024-entry grid)
+#   qs[32:64]: one explicit sign bit per weight;  qh: the 2 high bits of 4 indexes per byte
 #   scales: a 4-bit scale s per 16 weights
 # ---------------------------------------------------------------------------------------------
-_IQ2_S = block_layout("IQ2_S", d=2, qs=QK_K // 8, signs=QK_K // 8, qh=QK_K // 32, scales=QK_K // 32)
+_IQ2_S = block_layout("IQ2_S", d=half(), qs=u8(QK_K // 4), qh=u8(QK_K // 32), scales=u8(QK_K // 32))
 
 
 def _iq2_s_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -130,9 +130,10 @@ def _iq2_s_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     d = fp16_field(blocks, _IQ2_S["d"])
     sc = unpack_bits(blocks[:, _IQ2_S["scales"]], 4, 1)
     db = (d * (0.5 + sc.to(torch.float32)) * 0.25).reshape(n, 16, 1, 1)
-    signs = signs_from_bits(unpack_bits(blocks[:, _IQ2_S["signs"]], 1, 1)).reshape(n, 16, 2, 8)
+    qs = blocks[:, _IQ2_S["qs"]]
+    signs = signs_from_bits(unpack_bits(qs[:, QK_K // 8:], 1, 1)).reshape(n, 16, 2, 8)
     qh = unpack_bits(blocks[:, _IQ2_S["qh"]], 2, 1).to(torch.int32)  # [n, 32]
-    g = blocks[:, _IQ2_S["qs"]].to(torch.int32) | (qh << 8)
+    g = qs[:, :QK_K // 8].to(torch.int32) | (qh << 8)
     grid = lookup(_GRID_IQ2_S, g).reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
@@ -145,17 +146,18 @@ def _iq2_s_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #     4 x 7-bit sign indexes (bits 0..27) | 4-bit group scale ls (bits 28..31)
 #   The 8th sign bit of each 8 weights is the parity of the 7 stored ones (parity_signs).
 # ---------------------------------------------------------------------------------------------
-_IQ3_XXS = block_layout("IQ3_XXS", d=2, qs=QK_K // 4, scales_and_signs=QK_K // 8)
+_IQ3_XXS = block_layout("IQ3_XXS", d=half(), qs=u8(3 * QK_K // 8))
 
 
 def _iq3_xxs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     check_blocks(blocks, "IQ3_XXS")
     n = blocks.shape[0]
     d = fp16_field(blocks, _IQ3_XXS["d"])
-    aux = le_u32(blocks[:, _IQ3_XXS["scales_and_signs"]])  # [n, 8]
+    qs = blocks[:, _IQ3_XXS["qs"]]
+    aux = le_u32(qs[:, QK_K // 4:])  # [n, 8]
     db = (d * (0.5 + (aux >> 28).to(torch.float32)) * 0.5).reshape(n, 8, 1, 1)
     signs = parity_signs(split_bits(aux, (0, 7, 14, 21), 0x7F)).reshape(n, 8, 4, 8)
-    grid = lookup(_GRID_IQ3_XXS, blocks[:, _IQ3_XXS["qs"]]).reshape(n, 8, 4, 8)
+    grid = lookup(_GRID_IQ3_XXS, qs[:, :QK_K // 4]).reshape(n, 8, 4, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -166,7 +168,7 @@ def _iq3_xxs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #   qs: low 8 bits of a 9-bit grid index g per 4 weights (512-entry grid); qh: their 9th bits
 #   signs: one explicit sign bit per weight;  scales: a 4-bit scale s per 32 weights
 # ---------------------------------------------------------------------------------------------
-_IQ3_S = block_layout("IQ3_S", d=2, qs=QK_K // 4, qh=QK_K // 32, signs=QK_K // 8, scales=QK_K // 64)
+_IQ3_S = block_layout("IQ3_S", d=half(), qs=u8(QK_K // 4), qh=u8(QK_K // 32), signs=u8(QK_K // 8), scales=u8(QK_K // 64))
 
 
 def _iq3_s_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -189,7 +191,7 @@ def _iq3_s_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #   qh: per group of 32 weights: 4 x 3 high index bits (bits 0..11), 3-bit scale s (bits 12..14),
 #       delta = -0.125 if bit 15 else +0.125
 # ---------------------------------------------------------------------------------------------
-_IQ1_S = block_layout("IQ1_S", d=2, qs=QK_K // 8, qh=QK_K // 16)
+_IQ1_S = block_layout("IQ1_S", d=half(), qs=u8(QK_K // 8), qh=u16(QK_K // 32))
 
 
 def _iq1_s_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -215,7 +217,7 @@ def _iq1_s_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #       weights); bits 12..15 of word i are bits 4i..4i+3 of the fp16 super-block scale d
 #       (the block has no separate d field)
 # ---------------------------------------------------------------------------------------------
-_IQ1_M = block_layout("IQ1_M", qs=QK_K // 8, qh=QK_K // 16, scales=QK_K // 32)
+_IQ1_M = block_layout("IQ1_M", qs=u8(QK_K // 8), qh=u8(QK_K // 16), scales=u8(QK_K // 32, scale="f16_iq1m"))
 
 
 def _iq1_m_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -238,7 +240,7 @@ def _iq1_m_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #   struct block_iq4_nl { ggml_half d; uint8_t qs[QK4_NL/2]; };  // 18 bytes
 #   qs: value j < 16 in the low nibble of qs[j], value j + 16 in its high nibble
 # ---------------------------------------------------------------------------------------------
-_IQ4_NL = block_layout("IQ4_NL", d=2, qs=QK4_NL // 2)
+_IQ4_NL = block_layout("IQ4_NL", d=half(), qs=u8(QK4_NL // 2))
 
 
 def _iq4_nl_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -255,7 +257,7 @@ def _iq4_nl_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #   first), high 2 bits in bits 2i..2i+1 of scales_h
 #   qs: 16 bytes per group, nibbles as IQ4_NL
 # ---------------------------------------------------------------------------------------------
-_IQ4_XS = block_layout("IQ4_XS", d=2, scales_h=2, scales_l=QK_K // 64, qs=QK_K // 2)
+_IQ4_XS = block_layout("IQ4_XS", d=half(), scales_h=u16(), scales_l=u8(QK_K // 64), qs=u8(QK_K // 2))
 
 
 def _iq4_xs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -269,14 +271,19 @@ def _iq4_xs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * lookup(_KVALUES_IQ4, q)).reshape(n, QK_K)
 
 
-IQ2_XXS = register(make_format("IQ2_XXS", _iq2_xxs_dequantize))
-IQ2_XS = register(make_format("IQ2_XS", _iq2_xs_dequantize))
-IQ3_XXS = register(make_format("IQ3_XXS", _iq3_xxs_dequantize))
-IQ1_S = register(make_format("IQ1_S", _iq1_s_dequantize))
-IQ4_NL = register(make_format("IQ4_NL", _iq4_nl_dequantize))
-IQ3_S = register(make_format("IQ3_S", _iq3_s_dequantize))
-IQ2_S = register(make_format("IQ2_S", _iq2_s_dequantize))
-IQ4_XS = register(make_format("IQ4_XS", _iq4_xs_dequantize))
-IQ1_M = register(make_format("IQ1_M", _iq1_m_dequantize))
+def _iq(name, fn, layout, tables, group_len, vec_dot_type="q8_K"):
+    return register(make_format(name, fn, layout=layout, vec_dot_type=vec_dot_type, tables=tables,
+                                group_len=group_len))
+
+
+IQ2_XXS = _iq("IQ2_XXS", _iq2_xxs_dequantize, _IQ2_XXS, {"grid": _GRID_IQ2_XXS}, 32)
+IQ2_XS = _iq("IQ2_XS", _iq2_xs_dequantize, _IQ2_XS, {"grid": _GRID_IQ2_XS}, 16)
+IQ3_XXS = _iq("IQ3_XXS", _iq3_xxs_dequantize, _IQ3_XXS, {"grid": _GRID_IQ3_XXS}, 32)
+IQ1_S = _iq("IQ1_S", _iq1_s_dequantize, _IQ1_S, {"grid": _GRID_IQ1}, 32)
+IQ4_NL = _iq("IQ4_NL", _iq4_nl_dequantize, _IQ4_NL, {"kvalues": _KVALUES_IQ4}, 32, vec_dot_type="q8_0")
+IQ3_S = _iq("IQ3_S", _iq3_s_dequantize, _IQ3_S, {"grid": _GRID_IQ3_S}, 32)
+IQ2_S = _iq("IQ2_S", _iq2_s_dequantize, _IQ2_S, {"grid": _GRID_IQ2_S}, 16)
+IQ4_XS = _iq("IQ4_XS", _iq4_xs_dequantize, _IQ4_XS, {"kvalues": _KVALUES_IQ4}, 32)
+IQ1_M = _iq("IQ1_M", _iq1_m_dequantize, _IQ1_M, {"grid": _GRID_IQ1}, 8)
 
 IQ_FORMATS: tuple[str, ...] = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")

@@ -14,7 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, QK_K
 
 from . import register
-from ._bits import block_layout, check_blocks, fp16_field, make_format, unpack_bits
+from ._bits import block_layout, check_blocks, fp16_field, half, i8, make_format, u8, unpack_bits
 
 __all__ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "K_SCALE_SIZE"]
 
@@ -37,7 +37,7 @@ def _sub_blocks(q: torch.Tensor, n_sub: int) -> torch.Tensor:
 #       ggml_half dmin;             // super-block scale for the mins
 #   };  // 84 bytes
 # ---------------------------------------------------------------------------------------------
-_Q2_K = block_layout("Q2_K", scales=QK_K // 16, qs=QK_K // 4, d=2, dmin=2)
+_Q2_K = block_layout("Q2_K", scales=u8(QK_K // 16), qs=u8(QK_K // 4), d=half(), dmin=half())
 
 
 def _q2_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def _q2_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #       ggml_half d;                // super-block scale
 #   };  // 110 bytes
 # ---------------------------------------------------------------------------------------------
-_Q3_K = block_layout("Q3_K", hmask=QK_K // 8, qs=QK_K // 4, scales=K_SCALE_SIZE, d=2)
+_Q3_K = block_layout("Q3_K", hmask=u8(QK_K // 8), qs=u8(QK_K // 4), scales=u8(K_SCALE_SIZE), d=half())
 
 
 def _q3_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ def _q3_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #       uint8_t   qs[QK_K/2];             // 4-bit quants: per 32 bytes, 32 low then 32 high nibbles
 #   };  // 144 bytes
 # ---------------------------------------------------------------------------------------------
-_Q4_K = block_layout("Q4_K", d=2, dmin=2, scales=K_SCALE_SIZE, qs=QK_K // 2)
+_Q4_K = block_layout("Q4_K", d=half(), dmin=half(), scales=u8(K_SCALE_SIZE), qs=u8(QK_K // 2))
 
 
 def _scale_min_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +130,7 @@ def _q4_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #       uint8_t   qs[QK_K/2];             // low 4 bits, as Q4_K
 #   };  // 176 bytes
 # ---------------------------------------------------------------------------------------------
-_Q5_K = block_layout("Q5_K", d=2, dmin=2, scales=K_SCALE_SIZE, qh=QK_K // 8, qs=QK_K // 2)
+_Q5_K = block_layout("Q5_K", d=half(), dmin=half(), scales=u8(K_SCALE_SIZE), qh=u8(QK_K // 8), qs=u8(QK_K // 2))
 
 
 def _q5_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ def _q5_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 #       ggml_half d;                // super-block scale
 #   };  // 210 bytes
 # ---------------------------------------------------------------------------------------------
-_Q6_K = block_layout("Q6_K", ql=QK_K // 2, qh=QK_K // 4, scales=QK_K // 16, d=2)
+_Q6_K = block_layout("Q6_K", ql=u8(QK_K // 2), qh=u8(QK_K // 4), scales=i8(QK_K // 16), d=half())
 
 
 def _q6_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -167,8 +167,8 @@ def _q6_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
-Q2_K = register(make_format("Q2_K", _q2_k_dequantize))
-Q3_K = register(make_format("Q3_K", _q3_k_dequantize))
-Q4_K = register(make_format("Q4_K", _q4_k_dequantize))
-Q5_K = register(make_format("Q5_K", _q5_k_dequantize))
-Q6_K = register(make_format("Q6_K", _q6_k_dequantize))
+Q2_K = register(make_format("Q2_K", _q2_k_dequantize, layout=_Q2_K, vec_dot_type="q8_K", group_len=16))
+Q3_K = register(make_format("Q3_K", _q3_k_dequantize, layout=_Q3_K, vec_dot_type="q8_K", group_len=16))
+Q4_K = register(make_format("Q4_K", _q4_k_dequantize, layout=_Q4_K, vec_dot_type="q8_K", group_len=32))
+Q5_K = register(make_format("Q5_K", _q5_k_dequantize, layout=_Q5_K, vec_dot_type="q8_K", group_len=32))
+Q6_K = register(make_format("Q6_K", _q6_k_dequantize, layout=_Q6_K, vec_dot_type="q8_K", group_len=16))

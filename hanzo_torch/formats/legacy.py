@@ -13,7 +13,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from . import register
 from ._bits import (
     block_layout, check_blocks, check_values, codes_from_float, float_const, fp16_bytes,
-    fp16_field, make_format, pack_bits, round_codes, safe_reciprocal, signed_absmax, unpack_bits,
+    fp16_field, half, i8, make_format, pack_bits, round_codes, safe_reciprocal, signed_absmax, u8,
+    unpack_bits,
 )
 
 __all__ = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "q8_0_scale_and_codes"]
@@ -27,7 +28,7 @@ assert all(GGML_QUANT_SIZES[GGMLQuantizationType[n]][0] == QK for n in ("Q4_0", 
 #   struct block_q4_0 { ggml_half d; uint8_t qs[16]; }  // 18 bytes
 #   qs: value j (j < 16) in the low nibble of qs[j], value j + 16 in its high nibble
 # ---------------------------------------------------------------------------------------------
-_Q4_0 = block_layout("Q4_0", d=2, qs=QK // 2)
+_Q4_0 = block_layout("Q4_0", d=half(), qs=u8(QK // 2))
 
 
 def _q4_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -55,7 +56,7 @@ def _q4_0_quantize(blocks: torch.Tensor) -> torch.Tensor:
 # Q4_1: 5.0 bits per weight.  x = d * q + m, q in [0, 15]
 #   struct block_q4_1 { ggml_half d; ggml_half m; uint8_t qs[16]; }  // 20 bytes
 # ---------------------------------------------------------------------------------------------
-_Q4_1 = block_layout("Q4_1", d=2, m=2, qs=QK // 2)
+_Q4_1 = block_layout("Q4_1", d=half(), m=half(), qs=u8(QK // 2))
 
 
 def _q4_1_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,7 @@ def _q4_1_quantize(blocks: torch.Tensor) -> torch.Tensor:
 #   struct block_q5_0 { ggml_half d; uint8_t qh[4]; uint8_t qs[16]; }  // 22 bytes
 #   qh: little-endian uint32, bit j = fifth bit of value j; qs as Q4_0
 # ---------------------------------------------------------------------------------------------
-_Q5_0 = block_layout("Q5_0", d=2, qh=4, qs=QK // 2)
+_Q5_0 = block_layout("Q5_0", d=half(), qh=u8(4), qs=u8(QK // 2))
 
 
 def _q5_codes(blocks: torch.Tensor, layout: dict) -> torch.Tensor:
@@ -115,7 +116,7 @@ def _q5_0_quantize(blocks: torch.Tensor) -> torch.Tensor:
 # Q5_1: 6.0 bits per weight.  x = d * q + m, q in [0, 31]
 #   struct block_q5_1 { ggml_half d; ggml_half m; uint8_t qh[4]; uint8_t qs[16]; }  // 24 bytes
 # ---------------------------------------------------------------------------------------------
-_Q5_1 = block_layout("Q5_1", d=2, m=2, qh=4, qs=QK // 2)
+_Q5_1 = block_layout("Q5_1", d=half(), m=half(), qh=u8(4), qs=u8(QK // 2))
 
 
 def _q5_1_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,7 @@ def _q5_1_quantize(blocks: torch.Tensor) -> torch.Tensor:
 # Q8_0: 8.5 bits per weight.  x = d * q, q int8
 #   struct block_q8_0 { ggml_half d; int8_t qs[32]; }  // 34 bytes
 # ---------------------------------------------------------------------------------------------
-_Q8_0 = block_layout("Q8_0", d=2, qs=QK)
+_Q8_0 = block_layout("Q8_0", d=half(), qs=i8(QK))
 
 
 def _q8_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -165,8 +166,8 @@ def _q8_0_quantize(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([fp16_bytes(d), q.view(torch.uint8)], dim=1)
 
 
-Q4_0 = register(make_format("Q4_0", _q4_0_dequantize, _q4_0_quantize))
-Q4_1 = register(make_format("Q4_1", _q4_1_dequantize, _q4_1_quantize))
-Q5_0 = register(make_format("Q5_0", _q5_0_dequantize, _q5_0_quantize))
-Q5_1 = register(make_format("Q5_1", _q5_1_dequantize, _q5_1_quantize))
-Q8_0 = register(make_format("Q8_0", _q8_0_dequantize, _q8_0_quantize))
+Q4_0 = register(make_format("Q4_0", _q4_0_dequantize, _q4_0_quantize, layout=_Q4_0, vec_dot_type="q8_0", group_len=QK))
+Q4_1 = register(make_format("Q4_1", _q4_1_dequantize, _q4_1_quantize, layout=_Q4_1, vec_dot_type="q8_1", group_len=QK))
+Q5_0 = register(make_format("Q5_0", _q5_0_dequantize, _q5_0_quantize, layout=_Q5_0, vec_dot_type="q8_0", group_len=QK))
+Q5_1 = register(make_format("Q5_1", _q5_1_dequantize, _q5_1_quantize, layout=_Q5_1, vec_dot_type="q8_1", group_len=QK))
+Q8_0 = register(make_format("Q8_0", _q8_0_dequantize, _q8_0_quantize, layout=_Q8_0, vec_dot_type="q8_0", group_len=QK))

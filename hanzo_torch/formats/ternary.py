@@ -13,8 +13,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, QK_K
 
 from . import register
 from ._bits import (
-    DeviceTable, block_layout, check_blocks, check_values, fp16_bytes, fp16_field, make_format,
-    pack_bits, round_codes, unpack_bits,
+    DeviceTable, block_layout, check_blocks, check_values, fp16_bytes, fp16_field, half, make_format,
+    pack_bits, round_codes, u8, unpack_bits,
 )
 
 __all__ = ["TQ_FORMATS"]
@@ -44,7 +44,7 @@ def _ternary_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 #   A byte stores its digits t0..t4 as ceil(256 * (81 t0 + 27 t1 + 9 t2 + 3 t3 + t4) / 243), so
 #   digit j is ((byte * 3^j mod 256) * 3) >> 8 (for qh, t4 = 0).
 # ---------------------------------------------------------------------------------------------
-_TQ1_0 = block_layout("TQ1_0", qs=(QK_K - 4 * QK_K // 64) // 5, qh=QK_K // 64, d=2)
+_TQ1_0 = block_layout("TQ1_0", qs=u8((QK_K - 4 * QK_K // 64) // 5), qh=u8(QK_K // 64), d=half())
 
 
 def _trits(b: torch.Tensor, k: int) -> torch.Tensor:
@@ -92,7 +92,7 @@ def _tq1_0_quantize(blocks: torch.Tensor) -> torch.Tensor:
 #   qs: two runs of 32 bytes; in each, weights 0..31 are bits 0-1 of the 32 bytes, weights
 #   32..63 bits 2-3, and so on (ggml's bit-plane order, as Q2_K).
 # ---------------------------------------------------------------------------------------------
-_TQ2_0 = block_layout("TQ2_0", qs=QK_K // 4, d=2)
+_TQ2_0 = block_layout("TQ2_0", qs=u8(QK_K // 4), d=half())
 
 
 def _tq2_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -108,7 +108,9 @@ def _tq2_0_quantize(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([pack_bits(q, 2, 32), fp16_bytes(d)], dim=1)
 
 
-TQ1_0 = register(make_format("TQ1_0", _tq1_0_dequantize, _tq1_0_quantize))
-TQ2_0 = register(make_format("TQ2_0", _tq2_0_dequantize, _tq2_0_quantize))
+TQ1_0 = register(make_format("TQ1_0", _tq1_0_dequantize, _tq1_0_quantize, layout=_TQ1_0, vec_dot_type="q8_K",
+                             group_len=32))
+TQ2_0 = register(make_format("TQ2_0", _tq2_0_dequantize, _tq2_0_quantize, layout=_TQ2_0, vec_dot_type="q8_K",
+                             group_len=32))
 
 TQ_FORMATS: tuple[str, ...] = ("TQ1_0", "TQ2_0")

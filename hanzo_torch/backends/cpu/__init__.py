@@ -13,7 +13,7 @@ references run instead (the answers are the same up to the documented tolerance)
 
 Kernels (one generic C++ body per contraction, instantiated per format trait and per ISA):
     ``mul_mat``     x is quantized once per op to int8 blocks (scale per weight block size:
-                    32 values, or 256 for K-quant style formats; int16 sums per 16), then integer
+                    32 values, 128 for Q1_0, 256 for K-quant style formats; int16 sums per 16), then integer
                     dot products against the weight's unpacked integers. Small M (decode) reads
                     each weight block once per 4 rows; large M (prefill) unpacks weight tiles once
                     into an L1 buffer and runs a register-blocked int8 tile.
@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import math
 import os
+import re
 import sys
 import threading
 import warnings
@@ -52,24 +53,37 @@ __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
 
-SUPPORTED_QTYPES = (
-    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-    "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS",
-    "TQ1_0", "TQ2_0", "MXFP4",
-)
-"""The 22 quantized formats with a C++ kernel (dense F32/F16/BF16 weights use torch GEMMs)."""
-
 MV_MAX_ROWS = 5
 """mul_mat uses the mat-vec kernel up to this many activation rows and the tiled GEMM above it
 (crossover measured at 6-8 rows for Q4_K and Q6_K, K=1536, on the 2-core AMD EPYC Zen 3 machine)."""
-
-_GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S")
 
 # A wheel ships the sources as hanzo_torch/_csrc (setup.py); a checkout has them in csrc/.
 _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
 _SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "fused.cpp")
-_HEADERS = ("hz_api.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_gemm.h")
+_HEADERS = ("hz_api.h", "ggml_blocks.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_gemm.h")
+
+
+def _rule_table() -> tuple:
+    """The formats of the C++ rule table (``HZ_FOR_EACH_FORMAT`` in csrc/cpu/formats.h: trait
+    ``F<NAME>`` per ggml format) that the registry holds, read from the source so that no build is
+    needed at import; the built extension's ``formats()`` is checked against it (:func:`_check_layouts`)."""
+    from ...formats import FORMATS
+
+    try:
+        text = (_SRC_DIR / "formats.h").read_text()
+    except OSError:  # installed without the C++ sources: no kernels
+        return ()
+    m = re.search(r"#define HZ_FOR_EACH_FORMAT\(X\)((?:[^\n]*\\\n)*[^\n]*)", text)
+    if m is None:
+        raise RuntimeError(f"{_SRC_DIR / 'formats.h'}: no HZ_FOR_EACH_FORMAT list")
+    names = re.findall(r"X\(F(\w+)\)", m.group(1))
+    return tuple(n for n in names if n in FORMATS)
+
+
+SUPPORTED_QTYPES = _rule_table()
+"""The quantized formats with a C++ kernel, from the C++ rule table (dense F32/F16/BF16 weights
+use torch GEMMs)."""
 
 _lock = threading.Lock()
 _ext = None
@@ -96,24 +110,29 @@ def _source_hash() -> str:
 
 
 def _install_grids(ext) -> None:
-    import gguf
-    import gguf.quants as gq
-    import numpy as np
+    """Install the registry's large tables (the i-quant grids) into the slots of ggml_blocks.h."""
+    from ...formats.codegen import table_slots
 
-    for name in _GRID_TYPES:
-        cls = getattr(gq, name)
-        cls.init_grid()
-        grid = np.asarray(cls.grid).reshape(cls.grid_shape)
-        ext.set_grid(int(gguf.GGMLQuantizationType[name]), torch.from_numpy(grid.astype(np.int8)))
+    for slot, _, _, table in table_slots():
+        ext.set_table(slot, table)
 
 
 def _check_layouts(ext) -> None:
-    import gguf
+    """The built kernels cover exactly :data:`SUPPORTED_QTYPES`, with the registry's block sizes."""
+    from ...formats import FORMATS
 
+    by_id = {f.type_id: f for f in FORMATS.values()}
+    built = {}
     for tid, qk, nbytes in ext.formats():
-        t = gguf.GGMLQuantizationType(tid)
-        if tuple(gguf.GGML_QUANT_SIZES[t]) != (qk, nbytes):
-            raise RuntimeError(f"csrc/cpu block size of {t.name} is {(qk, nbytes)}, gguf says {gguf.GGML_QUANT_SIZES[t]}")
+        fmt = by_id.get(tid)
+        if fmt is None:  # a format this gguf does not know: not registered, never dispatched
+            continue
+        if (fmt.block_size, fmt.type_size) != (qk, nbytes):
+            raise RuntimeError(f"csrc/cpu block size of {fmt.name} is {(qk, nbytes)}, the registry says "
+                               f"{(fmt.block_size, fmt.type_size)}")
+        built[fmt.name] = tid
+    if set(built) != set(SUPPORTED_QTYPES):
+        raise RuntimeError(f"csrc/cpu kernels cover {sorted(built)}, formats.h lists {sorted(SUPPORTED_QTYPES)}")
 
 
 def build(verbose: bool = False):

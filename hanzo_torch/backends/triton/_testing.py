@@ -4,7 +4,7 @@ benchmarks/triton_gpu_check.py); numpy/torch only, importable without triton.
 :func:`random_packed` makes packed weights of any supported format from random bytes whose
 scale fields are overwritten with small finite values, so every quant code, sub-block scale,
 grid index and sign occurs while the dequantized values stay in a numerically sane range.
-Offsets are those of ggml-common.h's block structs.
+The scale fields are read from the registry's block fields (ggml-common.h's structs).
 """
 from __future__ import annotations
 
@@ -12,13 +12,16 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-# name -> byte offsets of the block's fp16 scale fields (d, dmin/m)
-_F16_FIELDS = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
-    "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
-}
+def _scale_fields(qtype: str) -> list:
+    """``(byte offset, kind)`` of each scale the block of ``qtype`` holds, from the registry's
+    block fields (``Field.scale``: ``"f16"``, ``"f16_iq1m"``, ``"e8m0"``, ``"ue4m3"``, ...)."""
+    from ...formats import get_format
+
+    out = []
+    for f in get_format(qtype).fields:
+        if f.scale is not None:
+            out.append((f.offset, f.scale))
+    return out
 
 
 def random_packed(qtype: str, shape: tuple, seed: int = 0, scale: float = 0.02) -> torch.Tensor:
@@ -39,30 +42,58 @@ def random_packed(qtype: str, shape: tuple, seed: int = 0, scale: float = 0.02) 
     nb = n_rows * K // qk
     blocks = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
     d = rng.uniform(0.5, 1.0, size=nb).astype(np.float32) * scale
-    if qtype in _F16_FIELDS:
-        for off in _F16_FIELDS[qtype]:
+    fields = _scale_fields(qtype)
+    if not fields:
+        raise KeyError(f"random_packed: no scale field in the {qtype} block")
+    for off, kind in fields:
+        if kind == "f16":
             blocks[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
-    elif qtype == "IQ1_M":
-        # the fp16 d is the top nibbles of the 4 u16 scale words at bytes 48..55
-        bits = d.astype(np.float16).view(np.uint16)
-        for i in range(4):
-            nib = ((bits >> (4 * i)) & 0xF).astype(np.uint8)
-            blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (nib << 4)
-    elif qtype == "MXFP4":
-        blocks[:, 0] = rng.integers(118, 124, size=nb, dtype=np.uint8)  # E8M0 exponents ~2^-9..2^-4
-    elif qtype == "NVFP4":
-        blocks[:, :4] = rng.integers(0x08, 0x30, size=(nb, 4), dtype=np.uint8)  # small UE4M3 scales
-    else:
-        raise KeyError(f"random_packed: no scale layout for {qtype}")
+        elif kind == "f16_iq1m":  # the fp16 d is the top nibbles of the 4 u16 scale words
+            bits = d.astype(np.float16).view(np.uint16)
+            for i in range(4):
+                nib = ((bits >> (4 * i)) & 0xF).astype(np.uint8)
+                blocks[:, off + 1 + 2 * i] = (blocks[:, off + 1 + 2 * i] & 0x0F) | (nib << 4)
+        elif kind == "e8m0":
+            blocks[:, off] = rng.integers(118, 124, size=nb, dtype=np.uint8)  # E8M0 exponents ~2^-9..2^-4
+        elif kind == "ue4m3":  # one byte per sub-block scale
+            n_sub = next(f.count for f in _fields(qtype) if f.offset == off)
+            blocks[:, off:off + n_sub] = rng.integers(0x08, 0x30, size=(nb, n_sub), dtype=np.uint8)  # small UE4M3
+        else:
+            raise KeyError(f"random_packed: no rule for {kind} scales ({qtype})")
     rb = K // qk * ts
     return torch.from_numpy(blocks.reshape(*lead, rb).copy()) if lead else torch.from_numpy(blocks.reshape(rb).copy())
 
 
+def _fields(qtype: str):
+    from ...formats import get_format
+
+    return get_format(qtype).fields
+
+
+def _q1_0_ggml(data: np.ndarray) -> np.ndarray:
+    # ggml-quants.c dequantize_row_q1_0: y[j] = bit ? d : -d, bit = (qs[j/8] >> (j%8)) & 1,
+    # block_q1_0 = { ggml_half d; uint8_t qs[16]; } (128 values)
+    blocks = data.reshape(-1, 18)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    bits = (blocks[:, 2:, None] >> np.arange(8, dtype=np.uint8)) & 1  # [n, 16, 8]: byte, bit
+    y = np.where(bits.reshape(-1, 128) == 1, d, -d)
+    return y.reshape(*data.shape[:-1], data.shape[-1] // 18 * 128)
+
+
+GGML_RULES = {"Q1_0": _q1_0_ggml}
+"""Oracles for the formats ``gguf.quants`` has no dequantizer for: numpy restatements of ggml's C
+``dequantize_row_<type>``, ``uint8 [..., row_bytes] -> float32 [..., row_length]``."""
+
+
 def gguf_dequantize(packed: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float32 dequantization by ``gguf.quants.dequantize`` (the oracle), same leading shape."""
+    """float32 dequantization by ``gguf.quants.dequantize`` (the oracle), same leading shape;
+    :data:`GGML_RULES` for the formats gguf cannot dequantize."""
     from gguf import quants
 
     arr = packed.detach().cpu().numpy()
+    if qtype in GGML_RULES and not hasattr(quants, qtype):
+        with np.errstate(all="ignore"):
+            return torch.from_numpy(np.ascontiguousarray(GGML_RULES[qtype](arr), dtype=np.float32))
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(arr, GGMLQuantizationType[qtype]), dtype=np.float32))
 
 

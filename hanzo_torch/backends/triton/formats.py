@@ -4,7 +4,9 @@ Every Triton kernel of hanzo-torch (dequantize, get_rows, mul_mat, mul_mat_id) r
 weights through :func:`unpack`, which turns the bytes of one element's block into the element's
 float32 value. The format is a ``tl.constexpr`` (its ggml type id), so each specialization of a
 kernel compiles only the branch of its own format: adding a format adds one ``_unpack_<fmt>``
-rule here and a row in :data:`SUPPORTED`, and no kernel changes.
+rule here (and its arms of the dispatch chains), and no kernel changes. :data:`SUPPORTED` is
+the set of formats with a rule; ids, block sizes, field offsets (``<FMT>_<field>``, e.g.
+``Q2_K_d``), group lengths and tables all come from the registry in :mod:`hanzo_torch.formats`.
 
 Addressing convention (shared by every kernel): for logical column ``k`` of a packed row that
 starts at byte pointer ``row``, the element lives in block ``k // QK`` at byte
@@ -15,8 +17,8 @@ Block layouts are ggml's (``ggml-common.h``); the float arithmetic of every rule
 order of operations of the numpy dequantizers in ``gguf.quants`` so the results are bit-exact
 with them (kernels that must be bit-exact launch with ``enable_fp_fusion=False`` so that no
 multiply-add is contracted into an FMA). The IQ grids and the non-linear value tables
-(IQ4_NL, MXFP4) are read from the ``gguf`` package at run time and passed to the kernels as
-float32 tensors (:func:`format_table`); nothing is copied into this file.
+(IQ4_NL, MXFP4, NVFP4) are the registry's tables (read from the ``gguf`` package) and are passed
+to the kernels as float32 tensors (:func:`format_table`); nothing is copied into this file.
 
 IQ2_XXS, IQ2_XS and IQ3_XXS store 7 sign bits per 8 weights; the 8th sign is the parity of
 the 7 (``docs/DESIGN.md`` section 2). We compute the parity with three shifts and xors
@@ -27,64 +29,12 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as _T
-from gguf import quants as _gq
 
-from ...formats import get_format
-
-# Format ids are the ggml type ids (gguf.GGMLQuantizationType), as compile-time constants.
-F32: tl.constexpr = tl.constexpr(int(_T.F32))
-F16: tl.constexpr = tl.constexpr(int(_T.F16))
-BF16: tl.constexpr = tl.constexpr(int(_T.BF16))
-Q4_0: tl.constexpr = tl.constexpr(int(_T.Q4_0))
-Q4_1: tl.constexpr = tl.constexpr(int(_T.Q4_1))
-Q5_0: tl.constexpr = tl.constexpr(int(_T.Q5_0))
-Q5_1: tl.constexpr = tl.constexpr(int(_T.Q5_1))
-Q8_0: tl.constexpr = tl.constexpr(int(_T.Q8_0))
-Q2_K: tl.constexpr = tl.constexpr(int(_T.Q2_K))
-Q3_K: tl.constexpr = tl.constexpr(int(_T.Q3_K))
-Q4_K: tl.constexpr = tl.constexpr(int(_T.Q4_K))
-Q5_K: tl.constexpr = tl.constexpr(int(_T.Q5_K))
-Q6_K: tl.constexpr = tl.constexpr(int(_T.Q6_K))
-IQ1_S: tl.constexpr = tl.constexpr(int(_T.IQ1_S))
-IQ1_M: tl.constexpr = tl.constexpr(int(_T.IQ1_M))
-IQ2_XXS: tl.constexpr = tl.constexpr(int(_T.IQ2_XXS))
-IQ2_XS: tl.constexpr = tl.constexpr(int(_T.IQ2_XS))
-IQ2_S: tl.constexpr = tl.constexpr(int(_T.IQ2_S))
-IQ3_XXS: tl.constexpr = tl.constexpr(int(_T.IQ3_XXS))
-IQ3_S: tl.constexpr = tl.constexpr(int(_T.IQ3_S))
-IQ4_NL: tl.constexpr = tl.constexpr(int(_T.IQ4_NL))
-IQ4_XS: tl.constexpr = tl.constexpr(int(_T.IQ4_XS))
-TQ1_0: tl.constexpr = tl.constexpr(int(_T.TQ1_0))
-TQ2_0: tl.constexpr = tl.constexpr(int(_T.TQ2_0))
-MXFP4: tl.constexpr = tl.constexpr(int(_T.MXFP4))
-NVFP4: tl.constexpr = tl.constexpr(int(getattr(_T, "NVFP4", -1)))
-
-# Where each format's table comes from in the gguf package (grid rows flattened, or a value list).
-_GRIDS = {
-    "IQ1_S": _gq.IQ1_S, "IQ1_M": _gq.IQ1_M, "IQ2_XXS": _gq.IQ2_XXS, "IQ2_XS": _gq.IQ2_XS,
-    "IQ2_S": _gq.IQ2_S, "IQ3_XXS": _gq.IQ3_XXS, "IQ3_S": _gq.IQ3_S,
-}
-_VALUES = {"IQ4_NL": _gq.IQ4_NL, "IQ4_XS": _gq.IQ4_NL, "MXFP4": _gq.MXFP4}
-if hasattr(_gq, "NVFP4"):
-    _VALUES["NVFP4"] = _gq.NVFP4
-
-# The formats the unpack rules cover: ggml name -> ggml type id.
-SUPPORTED: dict[str, int] = {
-    n: int(_T[n])
-    for n in (
-        "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-        "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
-        "TQ1_0", "TQ2_0", "MXFP4", "NVFP4",
-    )
-    if hasattr(_T, n)
-}
+from ...formats import FORMATS, get_format
 
 
 def _name(qtype) -> str:
@@ -100,10 +50,7 @@ def _name(qtype) -> str:
 
 
 def format_info(qtype) -> tuple[int, int, int]:
-    """``(type_id, block_size, type_size)`` of ``qtype`` for the kernels.
-
-    Sizes come from the format registry (:mod:`hanzo_torch.formats`); a format the Triton
-    rules cover but the registry does not (yet) hold takes them from ``gguf.GGML_QUANT_SIZES``.
+    """``(type_id, block_size, type_size)`` of ``qtype`` for the kernels, from the registry.
 
     Raises:
         ValueError: the format is unknown or has no Triton unpack rule.
@@ -111,22 +58,18 @@ def format_info(qtype) -> tuple[int, int, int]:
     name = _name(qtype)
     if name not in SUPPORTED:
         raise ValueError(f"Triton backend: no unpack rule for format {name}; supported: {', '.join(SUPPORTED)}")
-    try:
-        fmt = get_format(name)
-        return fmt.type_id, fmt.block_size, fmt.type_size
-    except ValueError:
-        qk, ts = GGML_QUANT_SIZES[_T[name]]
-        return SUPPORTED[name], qk, ts
+    fmt = get_format(name)
+    return fmt.type_id, fmt.block_size, fmt.type_size
 
 
 @functools.lru_cache(maxsize=None)
 def _table_host(name: str) -> torch.Tensor:
-    if name in _GRIDS:
-        cls = _GRIDS[name]
-        cls.init_grid()
-        return torch.from_numpy(np.ascontiguousarray(cls.grid, dtype=np.float32).reshape(-1))
-    if name in _VALUES:
-        return torch.tensor(_VALUES[name].kvalues, dtype=torch.float32)
+    # the format's one table in the registry (an i-quant grid, rows flattened, or the 16 levels
+    # of a 4-bit code), float32; a 1-element dummy for formats without one
+    tables = list(get_format(name).tables.values())
+    assert len(tables) <= 1, f"{name}: the Triton rules take one table per format"
+    if tables:
+        return tables[0].cpu.to(torch.float32).reshape(-1).contiguous()
     return torch.zeros(1, dtype=torch.float32)
 
 
@@ -218,47 +161,47 @@ def _sign8(s7, i):
 
 @triton.jit
 def _unpack_q4_0(b, j, m):
-    d = _f16(b, m)
-    return d * (_nibble16(b + 2, j, m) - 8).to(tl.float32)
+    d = _f16(b + Q4_0_d, m)
+    return d * (_nibble16(b + Q4_0_qs, j, m) - 8).to(tl.float32)
 
 
 @triton.jit
 def _unpack_q4_1(b, j, m):
-    d = _f16(b, m)
-    mn = _f16(b + 2, m)
-    return d * _nibble16(b + 4, j, m).to(tl.float32) + mn
+    d = _f16(b + Q4_1_d, m)
+    mn = _f16(b + Q4_1_m, m)
+    return d * _nibble16(b + Q4_1_qs, j, m).to(tl.float32) + mn
 
 
 @triton.jit
 def _unpack_q5_0(b, j, m):
-    d = _f16(b, m)
-    qh = (_u32(b + 2, m) >> j.to(tl.uint32)) & 1
-    q = _nibble16(b + 6, j, m) | (qh.to(tl.int32) << 4)
+    d = _f16(b + Q5_0_d, m)
+    qh = (_u32(b + Q5_0_qh, m) >> j.to(tl.uint32)) & 1
+    q = _nibble16(b + Q5_0_qs, j, m) | (qh.to(tl.int32) << 4)
     return d * (q - 16).to(tl.float32)
 
 
 @triton.jit
 def _unpack_q5_1(b, j, m):
-    d = _f16(b, m)
-    mn = _f16(b + 2, m)
-    qh = (_u32(b + 4, m) >> j.to(tl.uint32)) & 1
-    q = _nibble16(b + 8, j, m) | (qh.to(tl.int32) << 4)
+    d = _f16(b + Q5_1_d, m)
+    mn = _f16(b + Q5_1_m, m)
+    qh = (_u32(b + Q5_1_qh, m) >> j.to(tl.uint32)) & 1
+    q = _nibble16(b + Q5_1_qs, j, m) | (qh.to(tl.int32) << 4)
     return d * q.to(tl.float32) + mn
 
 
 @triton.jit
 def _unpack_q8_0(b, j, m):
-    return _i8(b + 2 + j, m).to(tl.float32) * _f16(b, m)
+    return _i8(b + Q8_0_qs + j, m).to(tl.float32) * _f16(b + Q8_0_d, m)
 
 
 @triton.jit
 def _unpack_q2_k(b, j, m):
     # scales[16] qs[64] d dmin; value = d*(sc&15) * q - dmin*(sc>>4), 16 values per scale.
-    sc = _u8(b + j // 16, m)
-    d = _f16(b + 80, m)
-    dmin = _f16(b + 82, m)
+    sc = _u8(b + Q2_K_scales + j // 16, m)
+    d = _f16(b + Q2_K_d, m)
+    dmin = _f16(b + Q2_K_dmin, m)
     r = j % 128
-    q = (_u8(b + 16 + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+    q = (_u8(b + Q2_K_qs + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3
     dl = d * (sc & 0xF).to(tl.float32)
     ml = dmin * (sc >> 4).to(tl.float32)
     return dl * q.to(tl.float32) - ml
@@ -267,14 +210,14 @@ def _unpack_q2_k(b, j, m):
 @triton.jit
 def _unpack_q3_k(b, j, m):
     # hmask[32] qs[64] scales[12] d; 6-bit signed scales (minus 32), q = low2 - 4*(1 - hbit).
-    hbit = (_u8(b + j % 32, m) >> (j // 32)) & 1
+    hbit = (_u8(b + Q3_K_hmask + j % 32, m) >> (j // 32)) & 1
     r = j % 128
-    ql = (_u8(b + 32 + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+    ql = (_u8(b + Q3_K_qs + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3
     s = j // 16
-    lo = (_u8(b + 96 + s % 8, m) >> (4 * (s // 8))) & 0xF
-    hi = (_u8(b + 104 + s % 4, m) >> (2 * (s // 4))) & 3
+    lo = (_u8(b + Q3_K_scales + s % 8, m) >> (4 * (s // 8))) & 0xF
+    hi = (_u8(b + Q3_K_scales + 8 + s % 4, m) >> (2 * (s // 4))) & 3
     scale = (lo | (hi << 4)) - 32
-    d = _f16(b + 108, m)
+    d = _f16(b + Q3_K_d, m)
     dl = d * scale.to(tl.float32)
     return dl * (ql - ((1 - hbit) << 2)).to(tl.float32)
 
@@ -294,11 +237,11 @@ def _scale_min_k4(b, s, m):
 @triton.jit
 def _unpack_q4_k(b, j, m):
     # d dmin scales[12] qs[128]; value = d*sc * q - dmin*mn, 32 values per sub-block.
-    d = _f16(b, m)
-    dmin = _f16(b + 2, m)
+    d = _f16(b + Q4_K_d, m)
+    dmin = _f16(b + Q4_K_dmin, m)
     s = j // 32
-    sc, mn = _scale_min_k4(b + 4, s, m)
-    q = (_u8(b + 16 + (j // 64) * 32 + j % 32, m) >> (4 * (s % 2))) & 0xF
+    sc, mn = _scale_min_k4(b + Q4_K_scales, s, m)
+    q = (_u8(b + Q4_K_qs + (j // 64) * 32 + j % 32, m) >> (4 * (s % 2))) & 0xF
     ds = d * sc.to(tl.float32)
     dm = dmin * mn.to(tl.float32)
     return ds * q.to(tl.float32) - dm
@@ -307,12 +250,12 @@ def _unpack_q4_k(b, j, m):
 @triton.jit
 def _unpack_q5_k(b, j, m):
     # d dmin scales[12] qh[32] qs[128]
-    d = _f16(b, m)
-    dmin = _f16(b + 2, m)
+    d = _f16(b + Q5_K_d, m)
+    dmin = _f16(b + Q5_K_dmin, m)
     s = j // 32
-    sc, mn = _scale_min_k4(b + 4, s, m)
-    ql = (_u8(b + 48 + (j // 64) * 32 + j % 32, m) >> (4 * (s % 2))) & 0xF
-    qh = (_u8(b + 16 + j % 32, m) >> s) & 1
+    sc, mn = _scale_min_k4(b + Q5_K_scales, s, m)
+    ql = (_u8(b + Q5_K_qs + (j // 64) * 32 + j % 32, m) >> (4 * (s % 2))) & 0xF
+    qh = (_u8(b + Q5_K_qh + j % 32, m) >> s) & 1
     ds = d * sc.to(tl.float32)
     dm = dmin * mn.to(tl.float32)
     return ds * (ql | (qh << 4)).to(tl.float32) - dm
@@ -323,10 +266,10 @@ def _unpack_q6_k(b, j, m):
     # ql[128] qh[64] scales[16] (int8) d; value = d*sc * (q - 32), 16 values per scale.
     h = j // 128
     r = j % 128
-    ql = (_u8(b + h * 64 + r % 64, m) >> (4 * (r // 64))) & 0xF
-    qh = (_u8(b + 128 + h * 32 + r % 32, m) >> (2 * (r // 32))) & 3
-    sc = _i8(b + 192 + j // 16, m)
-    d = _f16(b + 208, m)
+    ql = (_u8(b + Q6_K_ql + h * 64 + r % 64, m) >> (4 * (r // 64))) & 0xF
+    qh = (_u8(b + Q6_K_qh + h * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+    sc = _i8(b + Q6_K_scales + j // 16, m)
+    d = _f16(b + Q6_K_d, m)
     ds = d * sc.to(tl.float32)
     return ds * ((ql | (qh << 4)) - 32).to(tl.float32)
 
@@ -337,7 +280,7 @@ def _tq1_code(b, j, m):
     first = j < 160
     mid = (j >= 160) & (j < 240)
     jj = tl.where(first, j, tl.where(mid, j - 160, j - 240))
-    byte_i = tl.where(first, jj % 32, tl.where(mid, 32 + jj % 16, 48 + jj % 4))
+    byte_i = tl.where(first, TQ1_0_qs + jj % 32, tl.where(mid, TQ1_0_qs + 32 + jj % 16, TQ1_0_qh + jj % 4))
     digit = tl.where(first, jj // 32, tl.where(mid, jj // 16, jj // 4))
     pw = tl.where(digit == 0, 1, tl.where(digit == 1, 3, tl.where(digit == 2, 9, tl.where(digit == 3, 27, 81))))
     v = (_u8(b + byte_i, m) * pw) & 0xFF
@@ -347,24 +290,24 @@ def _tq1_code(b, j, m):
 @triton.jit
 def _unpack_tq1_0(b, j, m):
     # qs[48] qh[4] d
-    return _f16(b + 52, m) * _tq1_code(b, j, m).to(tl.float32)
+    return _f16(b + TQ1_0_d, m) * _tq1_code(b, j, m).to(tl.float32)
 
 
 @triton.jit
 def _unpack_tq2_0(b, j, m):
     # qs[64] d: 2-bit codes 0..2 meaning -1..1.
     r = j % 128
-    q = ((_u8(b + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3) - 1
-    return _f16(b + 64, m) * q.to(tl.float32)
+    q = ((_u8(b + TQ2_0_qs + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3) - 1
+    return _f16(b + TQ2_0_d, m) * q.to(tl.float32)
 
 
 @triton.jit
 def _unpack_mxfp4(b, j, m, tab):
     # e (E8M0 exponent) qs[16]: value = 2^(e-128) * kvalues[q] (kvalues doubled e2m1).
-    e = _u8(b, m)
+    e = _u8(b + MXFP4_e, m)
     bits = tl.where(e < 2, (0x00200000 << e), (e - 1) << 23)
     d = bits.to(tl.float32, bitcast=True)
-    kv = tl.load(tab + _nibble16(b + 1, j, m), mask=m, other=0.0)
+    kv = tl.load(tab + _nibble16(b + MXFP4_qs, j, m), mask=m, other=0.0)
     return d * kv
 
 
@@ -373,33 +316,33 @@ def _unpack_nvfp4(b, j, m, tab):
     # 4 UE4M3 scales (one per 16 values) then qs[32]; value = 0.5 * ue4m3(s) * kvalues[q].
     s = j // 16
     r = j % 16
-    x = _u8(b + s, m)
+    x = _u8(b + NVFP4_d + s, m)
     ex = (x >> 3) & 0xF
     man = (x & 7).to(tl.float32)
     sub = man * 0.001953125  # 2^-9
     nrm = (1.0 + man / 8.0) * ((ex + 120) << 23).to(tl.float32, bitcast=True)  # 2^(ex-7)
     raw = tl.where(ex == 0, sub, nrm)
     d = tl.where((x == 0) | (x == 0x7F), 0.0, raw * 0.5)
-    q = (_u8(b + 4 + s * 8 + r % 8, m) >> (4 * (r // 8))) & 0xF
+    q = (_u8(b + NVFP4_qs + s * 8 + r % 8, m) >> (4 * (r // 8))) & 0xF
     kv = tl.load(tab + q, mask=m, other=0.0)
     return d * kv
 
 
 @triton.jit
 def _unpack_iq4_nl(b, j, m, tab):
-    kv = tl.load(tab + _nibble16(b + 2, j, m), mask=m, other=0.0)
-    return _f16(b, m) * kv
+    kv = tl.load(tab + _nibble16(b + IQ4_NL_qs, j, m), mask=m, other=0.0)
+    return _f16(b + IQ4_NL_d, m) * kv
 
 
 @triton.jit
 def _unpack_iq4_xs(b, j, m, tab):
     # d scales_h(u16) scales_l[4] qs[128]; 6-bit scale (minus 32) per 32 values.
     ib = j // 32
-    sl = (_u8(b + 4 + ib // 2, m) >> (4 * (ib % 2))) & 0xF
-    sh = (_u16(b + 2, m) >> (2 * ib)) & 3
-    dl = _f16(b, m) * ((sl | (sh << 4)) - 32).to(tl.float32)
+    sl = (_u8(b + IQ4_XS_scales_l + ib // 2, m) >> (4 * (ib % 2))) & 0xF
+    sh = (_u16(b + IQ4_XS_scales_h, m) >> (2 * ib)) & 3
+    dl = _f16(b + IQ4_XS_d, m) * ((sl | (sh << 4)) - 32).to(tl.float32)
     r = j % 32
-    q = (_u8(b + 8 + ib * 16 + r % 16, m) >> (4 * (r // 16))) & 0xF
+    q = (_u8(b + IQ4_XS_qs + ib * 16 + r % 16, m) >> (4 * (r // 16))) & 0xF
     return dl * tl.load(tab + q, mask=m, other=0.0)
 
 
@@ -409,9 +352,9 @@ def _unpack_iq2_xxs(b, j, m, tab):
     ib = j // 32
     l = (j % 32) // 8
     i = j % 8
-    g = b + 2 + ib * 8
+    g = b + IQ2_XXS_qs + ib * 8
     aux = _u32(g + 4, m)
-    db = _f16(b, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.25
+    db = _f16(b + IQ2_XXS_d, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.25
     s7 = ((aux >> (7 * l).to(tl.uint32)) & 127).to(tl.int32)
     gv = tl.load(tab + _u8(g + l, m) * 8 + i, mask=m, other=0.0)
     v = db * gv
@@ -423,9 +366,9 @@ def _unpack_iq2_xs(b, j, m, tab):
     # d qs[32] (u16: 9-bit grid index | 7 sign bits << 9) scales[8] (4 bits per 16 values)
     gi = j // 8
     i = j % 8
-    q = _u16(b + 2 + gi * 2, m)
-    sc = (_u8(b + 66 + j // 32, m) >> (4 * ((j // 16) % 2))) & 0xF
-    db = _f16(b, m) * (0.5 + sc.to(tl.float32)) * 0.25
+    q = _u16(b + IQ2_XS_qs + gi * 2, m)
+    sc = (_u8(b + IQ2_XS_scales + j // 32, m) >> (4 * ((j // 16) % 2))) & 0xF
+    db = _f16(b + IQ2_XS_d, m) * (0.5 + sc.to(tl.float32)) * 0.25
     gv = tl.load(tab + (q & 511) * 8 + i, mask=m, other=0.0)
     v = db * gv
     return tl.where(_sign8(q >> 9, i) != 0, -v, v)
@@ -436,10 +379,10 @@ def _unpack_iq2_s(b, j, m, tab):
     # d qs[32] signs[32] qh[8] scales[8]; 10-bit grid index = qs | 2 bits of qh << 8.
     gi = j // 8
     i = j % 8
-    idx = _u8(b + 2 + gi, m) | (((_u8(b + 66 + gi // 4, m) >> (2 * (gi % 4))) & 3) << 8)
-    sgn = (_u8(b + 34 + gi, m) >> i) & 1
-    sc = (_u8(b + 74 + j // 32, m) >> (4 * ((j // 16) % 2))) & 0xF
-    db = _f16(b, m) * (0.5 + sc.to(tl.float32)) * 0.25
+    idx = _u8(b + IQ2_S_qs + gi, m) | (((_u8(b + IQ2_S_qh + gi // 4, m) >> (2 * (gi % 4))) & 3) << 8)
+    sgn = (_u8(b + IQ2_S_qs + 32 + gi, m) >> i) & 1
+    sc = (_u8(b + IQ2_S_scales + j // 32, m) >> (4 * ((j // 16) % 2))) & 0xF
+    db = _f16(b + IQ2_S_d, m) * (0.5 + sc.to(tl.float32)) * 0.25
     v = db * tl.load(tab + idx * 8 + i, mask=m, other=0.0)
     return tl.where(sgn != 0, -v, v)
 
@@ -450,10 +393,10 @@ def _unpack_iq3_xxs(b, j, m, tab):
     ib = j // 32
     l = (j % 32) // 8
     i = j % 8
-    aux = _u32(b + 66 + ib * 4, m)
-    db = _f16(b, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.5
+    aux = _u32(b + IQ3_XXS_qs + 64 + ib * 4, m)
+    db = _f16(b + IQ3_XXS_d, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.5
     s7 = ((aux >> (7 * l).to(tl.uint32)) & 127).to(tl.int32)
-    gv = tl.load(tab + _u8(b + 2 + j // 4, m) * 4 + j % 4, mask=m, other=0.0)
+    gv = tl.load(tab + _u8(b + IQ3_XXS_qs + j // 4, m) * 4 + j % 4, mask=m, other=0.0)
     v = db * gv
     return tl.where(_sign8(s7, i) != 0, -v, v)
 
@@ -462,10 +405,10 @@ def _unpack_iq3_xxs(b, j, m, tab):
 def _unpack_iq3_s(b, j, m, tab):
     # d qs[64] qh[8] signs[32] scales[4]; 9-bit grid index, explicit signs, scale 1 + 2*s.
     qi = j // 4
-    idx = _u8(b + 2 + qi, m) | (((_u8(b + 66 + qi // 8, m) >> (qi % 8)) & 1) << 8)
-    sgn = (_u8(b + 74 + j // 8, m) >> (j % 8)) & 1
-    sc = (_u8(b + 106 + j // 64, m) >> (4 * ((j // 32) % 2))) & 0xF
-    db = _f16(b, m) * (1 + 2 * sc).to(tl.float32)
+    idx = _u8(b + IQ3_S_qs + qi, m) | (((_u8(b + IQ3_S_qh + qi // 8, m) >> (qi % 8)) & 1) << 8)
+    sgn = (_u8(b + IQ3_S_signs + j // 8, m) >> (j % 8)) & 1
+    sc = (_u8(b + IQ3_S_scales + j // 64, m) >> (4 * ((j // 32) % 2))) & 0xF
+    db = _f16(b + IQ3_S_d, m) * (1 + 2 * sc).to(tl.float32)
     v = db * tl.load(tab + idx * 4 + j % 4, mask=m, other=0.0)
     return tl.where(sgn != 0, -v, v)
 
@@ -475,10 +418,10 @@ def _unpack_iq1_s(b, j, m, tab):
     # d qs[32] qh[8] (u16 per 32 values: 4 x 3 index bits, 3-bit scale, delta sign)
     ib = j // 32
     l = (j % 32) // 8
-    qh = _u16(b + 34 + ib * 2, m)
-    dl = _f16(b, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+    qh = _u16(b + IQ1_S_qh + ib * 2, m)
+    dl = _f16(b + IQ1_S_d, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
     delta = tl.where((qh & 0x8000) == 0, 0.125, -0.125)
-    idx = _u8(b + 2 + ib * 4 + l, m) | (((qh >> (3 * l)) & 7) << 8)
+    idx = _u8(b + IQ1_S_qs + ib * 4 + l, m) | (((qh >> (3 * l)) & 7) << 8)
     gv = tl.load(tab + idx * 8 + j % 8, mask=m, other=0.0)
     return dl * (gv + delta)
 
@@ -486,20 +429,47 @@ def _unpack_iq1_s(b, j, m, tab):
 @triton.jit
 def _unpack_iq1_m(b, j, m, tab):
     # qs[32] qh[16] scales[8]: the f16 d is spread over the top nibbles of the 4 scale u16s.
-    s0 = _u16(b + 48, m)
-    s1 = _u16(b + 50, m)
-    s2 = _u16(b + 52, m)
-    s3 = _u16(b + 54, m)
+    s0 = _u16(b + IQ1_M_scales, m)
+    s1 = _u16(b + IQ1_M_scales + 2, m)
+    s2 = _u16(b + IQ1_M_scales + 4, m)
+    s3 = _u16(b + IQ1_M_scales + 6, m)
     d = _f16_bits(((s0 & 0xF000) >> 12) | ((s1 & 0xF000) >> 8) | ((s2 & 0xF000) >> 4) | (s3 & 0xF000))
     t = j // 16
-    sc = (_u16(b + 48 + 2 * (t // 4), m) >> (3 * (t % 4))) & 7
+    sc = (_u16(b + IQ1_M_scales + 2 * (t // 4), m) >> (3 * (t % 4))) & 7
     dl = d * (2 * sc + 1).to(tl.float32)
     u = j // 8
-    qh = (_u8(b + 32 + u // 2, m) >> (4 * (u % 2))) & 0xF
-    idx = _u8(b + u, m) | ((qh & 7) << 8)
+    qh = (_u8(b + IQ1_M_qh + u // 2, m) >> (4 * (u % 2))) & 0xF
+    idx = _u8(b + IQ1_M_qs + u, m) | ((qh & 7) << 8)
     delta = tl.where((qh & 8) == 0, 0.125, -0.125)
     gv = tl.load(tab + idx * 8 + j % 8, mask=m, other=0.0)
     return dl * (gv + delta)
+
+
+@triton.jit
+def _unpack_f32(b, j, m):
+    return _u32(b + F32_v, m).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unpack_f16(b, j, m):
+    return _f16(b + F16_v, m)
+
+
+@triton.jit
+def _unpack_bf16(b, j, m):
+    return (_u16(b + BF16_v, m).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q1_0_sign(b, j, m):
+    # qs[16]: value j is bit j % 8 of qs[j // 8] -> +1 / -1
+    return 2 * ((_u8(b + Q1_0_qs + j // 8, m) >> (j % 8)) & 1) - 1
+
+
+@triton.jit
+def _unpack_q1_0(b, j, m):
+    # d qs[16]: value = d if bit else -d (ggml's (2 * bit - 1) * d)
+    return _q1_0_sign(b, j, m).to(tl.float32) * _f16(b + Q1_0_d, m)
 
 
 @triton.jit
@@ -509,11 +479,13 @@ def unpack(b, j, m, tab, FMT: tl.constexpr):
     ``b``, ``j`` and ``m`` (load mask) broadcast together; ``tab`` is :func:`format_table`.
     """
     if FMT == F32:
-        return _u32(b, m).to(tl.float32, bitcast=True)
+        return _unpack_f32(b, j, m)
     elif FMT == F16:
-        return _f16(b, m)
+        return _unpack_f16(b, j, m)
     elif FMT == BF16:
-        return (_u16(b, m).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        return _unpack_bf16(b, j, m)
+    elif FMT == Q1_0:
+        return _unpack_q1_0(b, j, m)
     elif FMT == Q4_0:
         return _unpack_q4_0(b, j, m)
     elif FMT == Q4_1:
@@ -576,15 +548,8 @@ def unpack_at(row, k, m, tab, FMT: tl.constexpr, QK: tl.constexpr, TS: tl.conste
 # right for dequantize). A mat-vec only needs sum_j x_j * w_j = scale * sum_j x_j * code_j +
 # offset * sum_j x_j per group, so the scales are loaded once per group and each value costs one
 # code load and one FMA. Every quantized format has a grouped rule (the IQ codes are signed grid
-# values; IQ1's delta is the group offset); the dense ones use the element rules.
-
-GROUP_LEN: dict[str, int] = {
-    "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
-    "Q2_K": 16, "Q3_K": 16, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16,
-    "IQ4_NL": 32, "IQ4_XS": 32, "TQ1_0": 32, "TQ2_0": 32, "MXFP4": 32, "NVFP4": 16,
-    "IQ2_XXS": 32, "IQ2_XS": 16, "IQ2_S": 16, "IQ3_XXS": 32, "IQ3_S": 32, "IQ1_S": 32, "IQ1_M": 8,
-}
-"""Values per (scale, offset) group of the formats that have a grouped rule."""
+# values; IQ1's delta is the group offset); the dense ones use the element rules. The group
+# length of each format is the registry's ``group_len`` (:data:`GROUP_LEN`).
 
 
 @triton.jit
@@ -596,66 +561,79 @@ def group_params(b, g, m, tab, FMT: tl.constexpr):
     """
     zero = tl.zeros(b.shape, dtype=tl.float32)
     iz = tl.zeros(b.shape, dtype=tl.int32)
-    if FMT == Q4_0 or FMT == Q5_0 or FMT == Q8_0 or FMT == IQ4_NL:
-        return _f16(b, m), zero, iz
-    elif FMT == Q4_1 or FMT == Q5_1:
-        return _f16(b, m), _f16(b + 2, m), iz
+    if FMT == Q4_0:
+        return _f16(b + Q4_0_d, m), zero, iz
+    elif FMT == Q5_0:
+        return _f16(b + Q5_0_d, m), zero, iz
+    elif FMT == Q8_0:
+        return _f16(b + Q8_0_d, m), zero, iz
+    elif FMT == IQ4_NL:
+        return _f16(b + IQ4_NL_d, m), zero, iz
+    elif FMT == Q1_0:
+        return _f16(b + Q1_0_d, m), zero, iz
+    elif FMT == Q4_1:
+        return _f16(b + Q4_1_d, m), _f16(b + Q4_1_m, m), iz
+    elif FMT == Q5_1:
+        return _f16(b + Q5_1_d, m), _f16(b + Q5_1_m, m), iz
     elif FMT == Q2_K:
-        sc = _u8(b + g, m)
-        return _f16(b + 80, m) * (sc & 0xF).to(tl.float32), -(_f16(b + 82, m) * (sc >> 4).to(tl.float32)), iz
+        sc = _u8(b + Q2_K_scales + g, m)
+        return _f16(b + Q2_K_d, m) * (sc & 0xF).to(tl.float32), -(_f16(b + Q2_K_dmin, m) * (sc >> 4).to(tl.float32)), iz
     elif FMT == Q3_K:
-        lo = (_u8(b + 96 + g % 8, m) >> (4 * (g // 8))) & 0xF
-        hi = (_u8(b + 104 + g % 4, m) >> (2 * (g // 4))) & 3
-        return _f16(b + 108, m) * ((lo | (hi << 4)) - 32).to(tl.float32), zero, iz
-    elif FMT == Q4_K or FMT == Q5_K:
-        sc, mn = _scale_min_k4(b + 4, g, m)
-        return _f16(b, m) * sc.to(tl.float32), -(_f16(b + 2, m) * mn.to(tl.float32)), iz
+        lo = (_u8(b + Q3_K_scales + g % 8, m) >> (4 * (g // 8))) & 0xF
+        hi = (_u8(b + Q3_K_scales + 8 + g % 4, m) >> (2 * (g // 4))) & 3
+        return _f16(b + Q3_K_d, m) * ((lo | (hi << 4)) - 32).to(tl.float32), zero, iz
+    elif FMT == Q4_K:
+        sc, mn = _scale_min_k4(b + Q4_K_scales, g, m)
+        return _f16(b + Q4_K_d, m) * sc.to(tl.float32), -(_f16(b + Q4_K_dmin, m) * mn.to(tl.float32)), iz
+    elif FMT == Q5_K:
+        sc, mn = _scale_min_k4(b + Q5_K_scales, g, m)
+        return _f16(b + Q5_K_d, m) * sc.to(tl.float32), -(_f16(b + Q5_K_dmin, m) * mn.to(tl.float32)), iz
     elif FMT == Q6_K:
-        return _f16(b + 208, m) * _i8(b + 192 + g, m).to(tl.float32), zero, iz
+        return _f16(b + Q6_K_d, m) * _i8(b + Q6_K_scales + g, m).to(tl.float32), zero, iz
     elif FMT == IQ4_XS:
-        sl = (_u8(b + 4 + g // 2, m) >> (4 * (g % 2))) & 0xF
-        sh = (_u16(b + 2, m) >> (2 * g)) & 3
-        return _f16(b, m) * ((sl | (sh << 4)) - 32).to(tl.float32), zero, iz
+        sl = (_u8(b + IQ4_XS_scales_l + g // 2, m) >> (4 * (g % 2))) & 0xF
+        sh = (_u16(b + IQ4_XS_scales_h, m) >> (2 * g)) & 3
+        return _f16(b + IQ4_XS_d, m) * ((sl | (sh << 4)) - 32).to(tl.float32), zero, iz
     elif FMT == TQ1_0:
-        return _f16(b + 52, m), zero, iz
+        return _f16(b + TQ1_0_d, m), zero, iz
     elif FMT == TQ2_0:
-        return _f16(b + 64, m), zero, iz
+        return _f16(b + TQ2_0_d, m), zero, iz
     elif FMT == MXFP4:
-        e = _u8(b, m)
+        e = _u8(b + MXFP4_e, m)
         return tl.where(e < 2, (0x00200000 << e), (e - 1) << 23).to(tl.float32, bitcast=True), zero, iz
     elif FMT == IQ2_XXS:
-        aux = _u32(b + 2 + g * 8 + 4, m)
-        return _f16(b, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.25, zero, (aux & 0x0FFFFFFF).to(tl.int32)
+        aux = _u32(b + IQ2_XXS_qs + g * 8 + 4, m)
+        return _f16(b + IQ2_XXS_d, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.25, zero, (aux & 0x0FFFFFFF).to(tl.int32)
     elif FMT == IQ2_XS:
-        sc = (_u8(b + 66 + g // 2, m) >> (4 * (g % 2))) & 0xF
-        return _f16(b, m) * (0.5 + sc.to(tl.float32)) * 0.25, zero, iz
+        sc = (_u8(b + IQ2_XS_scales + g // 2, m) >> (4 * (g % 2))) & 0xF
+        return _f16(b + IQ2_XS_d, m) * (0.5 + sc.to(tl.float32)) * 0.25, zero, iz
     elif FMT == IQ2_S:
-        sc = (_u8(b + 74 + g // 2, m) >> (4 * (g % 2))) & 0xF
-        return _f16(b, m) * (0.5 + sc.to(tl.float32)) * 0.25, zero, iz
+        sc = (_u8(b + IQ2_S_scales + g // 2, m) >> (4 * (g % 2))) & 0xF
+        return _f16(b + IQ2_S_d, m) * (0.5 + sc.to(tl.float32)) * 0.25, zero, iz
     elif FMT == IQ3_XXS:
-        aux = _u32(b + 66 + g * 4, m)
-        return _f16(b, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.5, zero, (aux & 0x0FFFFFFF).to(tl.int32)
+        aux = _u32(b + IQ3_XXS_qs + 64 + g * 4, m)
+        return _f16(b + IQ3_XXS_d, m) * (0.5 + (aux >> 28).to(tl.float32)) * 0.5, zero, (aux & 0x0FFFFFFF).to(tl.int32)
     elif FMT == IQ3_S:
-        sc = (_u8(b + 106 + g // 2, m) >> (4 * (g % 2))) & 0xF
-        return _f16(b, m) * (1 + 2 * sc).to(tl.float32), zero, iz
+        sc = (_u8(b + IQ3_S_scales + g // 2, m) >> (4 * (g % 2))) & 0xF
+        return _f16(b + IQ3_S_d, m) * (1 + 2 * sc).to(tl.float32), zero, iz
     elif FMT == IQ1_S:
-        qh = _u16(b + 34 + g * 2, m)
-        dl = _f16(b, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+        qh = _u16(b + IQ1_S_qh + g * 2, m)
+        dl = _f16(b + IQ1_S_d, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
         return dl, dl * tl.where((qh & 0x8000) == 0, 0.125, -0.125), qh
     elif FMT == IQ1_M:
-        s0 = _u16(b + 48, m)
-        s1 = _u16(b + 50, m)
-        s2 = _u16(b + 52, m)
-        s3 = _u16(b + 54, m)
+        s0 = _u16(b + IQ1_M_scales, m)
+        s1 = _u16(b + IQ1_M_scales + 2, m)
+        s2 = _u16(b + IQ1_M_scales + 4, m)
+        s3 = _u16(b + IQ1_M_scales + 6, m)
         d = _f16_bits(((s0 & 0xF000) >> 12) | ((s1 & 0xF000) >> 8) | ((s2 & 0xF000) >> 4) | (s3 & 0xF000))
         t = g // 2
-        sc = (_u16(b + 48 + 2 * (t // 4), m) >> (3 * (t % 4))) & 7
+        sc = (_u16(b + IQ1_M_scales + 2 * (t // 4), m) >> (3 * (t % 4))) & 7
         dl = d * (2 * sc + 1).to(tl.float32)
-        qh = (_u8(b + 32 + g // 2, m) >> (4 * (g % 2))) & 0xF
+        qh = (_u8(b + IQ1_M_qh + g // 2, m) >> (4 * (g % 2))) & 0xF
         return dl, dl * tl.where((qh & 8) == 0, 0.125, -0.125), qh
     else:
         tl.static_assert(FMT == NVFP4, "group_params: format without a grouped rule")
-        x = _u8(b + g, m)
+        x = _u8(b + NVFP4_d + g, m)
         ex = (x >> 3) & 0xF
         man = (x & 7).to(tl.float32)
         nrm = (1.0 + man / 8.0) * ((ex + 120) << 23).to(tl.float32, bitcast=True)
@@ -667,86 +645,118 @@ def group_params(b, g, m, tab, FMT: tl.constexpr):
 def group_code(b, j, m, tab, aux, FMT: tl.constexpr):
     """float32 code of in-block value ``j``: the value is ``scale * code + offset`` of its group
     (``aux``: the group's payload from :func:`group_params`)."""
-    if FMT == Q4_0:
-        return (_nibble16(b + 2, j, m) - 8).to(tl.float32)
+    if FMT == Q1_0:
+        return _q1_0_sign(b, j, m).to(tl.float32)
+    elif FMT == Q4_0:
+        return (_nibble16(b + Q4_0_qs, j, m) - 8).to(tl.float32)
     elif FMT == Q4_1:
-        return _nibble16(b + 4, j, m).to(tl.float32)
+        return _nibble16(b + Q4_1_qs, j, m).to(tl.float32)
     elif FMT == Q5_0:
-        qh = (_u8(b + 2 + j // 8, m) >> (j % 8)) & 1
-        return ((_nibble16(b + 6, j, m) | (qh << 4)) - 16).to(tl.float32)
+        qh = (_u8(b + Q5_0_qh + j // 8, m) >> (j % 8)) & 1
+        return ((_nibble16(b + Q5_0_qs, j, m) | (qh << 4)) - 16).to(tl.float32)
     elif FMT == Q5_1:
-        qh = (_u8(b + 4 + j // 8, m) >> (j % 8)) & 1
-        return (_nibble16(b + 8, j, m) | (qh << 4)).to(tl.float32)
+        qh = (_u8(b + Q5_1_qh + j // 8, m) >> (j % 8)) & 1
+        return (_nibble16(b + Q5_1_qs, j, m) | (qh << 4)).to(tl.float32)
     elif FMT == Q8_0:
-        return _i8(b + 2 + j, m).to(tl.float32)
+        return _i8(b + Q8_0_qs + j, m).to(tl.float32)
     elif FMT == Q2_K:
         r = j % 128
-        return ((_u8(b + 16 + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3).to(tl.float32)
+        return ((_u8(b + Q2_K_qs + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3).to(tl.float32)
     elif FMT == Q3_K:
-        hbit = (_u8(b + j % 32, m) >> (j // 32)) & 1
+        hbit = (_u8(b + Q3_K_hmask + j % 32, m) >> (j // 32)) & 1
         r = j % 128
-        ql = (_u8(b + 32 + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+        ql = (_u8(b + Q3_K_qs + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3
         return (ql - ((1 - hbit) << 2)).to(tl.float32)
     elif FMT == Q4_K:
-        return ((_u8(b + 16 + (j // 64) * 32 + j % 32, m) >> (4 * ((j // 32) % 2))) & 0xF).to(tl.float32)
+        return ((_u8(b + Q4_K_qs + (j // 64) * 32 + j % 32, m) >> (4 * ((j // 32) % 2))) & 0xF).to(tl.float32)
     elif FMT == Q5_K:
-        ql = (_u8(b + 48 + (j // 64) * 32 + j % 32, m) >> (4 * ((j // 32) % 2))) & 0xF
-        qh = (_u8(b + 16 + j % 32, m) >> (j // 32)) & 1
+        ql = (_u8(b + Q5_K_qs + (j // 64) * 32 + j % 32, m) >> (4 * ((j // 32) % 2))) & 0xF
+        qh = (_u8(b + Q5_K_qh + j % 32, m) >> (j // 32)) & 1
         return (ql | (qh << 4)).to(tl.float32)
     elif FMT == Q6_K:
         h = j // 128
         r = j % 128
-        ql = (_u8(b + h * 64 + r % 64, m) >> (4 * (r // 64))) & 0xF
-        qh = (_u8(b + 128 + h * 32 + r % 32, m) >> (2 * (r // 32))) & 3
+        ql = (_u8(b + Q6_K_ql + h * 64 + r % 64, m) >> (4 * (r // 64))) & 0xF
+        qh = (_u8(b + Q6_K_qh + h * 32 + r % 32, m) >> (2 * (r // 32))) & 3
         return ((ql | (qh << 4)) - 32).to(tl.float32)
     elif FMT == IQ4_NL:
-        return tl.load(tab + _nibble16(b + 2, j, m), mask=m, other=0.0)
+        return tl.load(tab + _nibble16(b + IQ4_NL_qs, j, m), mask=m, other=0.0)
     elif FMT == IQ4_XS:
         ib = j // 32
         r = j % 32
-        return tl.load(tab + ((_u8(b + 8 + ib * 16 + r % 16, m) >> (4 * (r // 16))) & 0xF), mask=m, other=0.0)
+        return tl.load(tab + ((_u8(b + IQ4_XS_qs + ib * 16 + r % 16, m) >> (4 * (r // 16))) & 0xF), mask=m, other=0.0)
     elif FMT == TQ1_0:
         return _tq1_code(b, j, m).to(tl.float32)
     elif FMT == TQ2_0:
         r = j % 128
-        return (((_u8(b + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3) - 1).to(tl.float32)
+        return (((_u8(b + TQ2_0_qs + (j // 128) * 32 + r % 32, m) >> (2 * (r // 32))) & 3) - 1).to(tl.float32)
     elif FMT == MXFP4:
-        return tl.load(tab + _nibble16(b + 1, j, m), mask=m, other=0.0)
+        return tl.load(tab + _nibble16(b + MXFP4_qs, j, m), mask=m, other=0.0)
     elif FMT == IQ2_XXS:
         i = j % 8
-        gv = tl.load(tab + _u8(b + 2 + (j // 32) * 8 + (j % 32) // 8, m) * 8 + i, mask=m, other=0.0)
+        gv = tl.load(tab + _u8(b + IQ2_XXS_qs + (j // 32) * 8 + (j % 32) // 8, m) * 8 + i, mask=m, other=0.0)
         s7 = (aux >> (7 * ((j % 32) // 8))) & 127
         return tl.where(_sign8(s7, i) != 0, -gv, gv)
     elif FMT == IQ2_XS:
         i = j % 8
-        q = _u16(b + 2 + (j // 8) * 2, m)
+        q = _u16(b + IQ2_XS_qs + (j // 8) * 2, m)
         gv = tl.load(tab + (q & 511) * 8 + i, mask=m, other=0.0)
         return tl.where(_sign8(q >> 9, i) != 0, -gv, gv)
     elif FMT == IQ2_S:
         gi = j // 8
         i = j % 8
-        idx = _u8(b + 2 + gi, m) | (((_u8(b + 66 + gi // 4, m) >> (2 * (gi % 4))) & 3) << 8)
+        idx = _u8(b + IQ2_S_qs + gi, m) | (((_u8(b + IQ2_S_qh + gi // 4, m) >> (2 * (gi % 4))) & 3) << 8)
         gv = tl.load(tab + idx * 8 + i, mask=m, other=0.0)
-        return tl.where(((_u8(b + 34 + gi, m) >> i) & 1) != 0, -gv, gv)
+        return tl.where(((_u8(b + IQ2_S_qs + 32 + gi, m) >> i) & 1) != 0, -gv, gv)
     elif FMT == IQ3_XXS:
         i = j % 8
-        gv = tl.load(tab + _u8(b + 2 + j // 4, m) * 4 + j % 4, mask=m, other=0.0)
+        gv = tl.load(tab + _u8(b + IQ3_XXS_qs + j // 4, m) * 4 + j % 4, mask=m, other=0.0)
         s7 = (aux >> (7 * ((j % 32) // 8))) & 127
         return tl.where(_sign8(s7, i) != 0, -gv, gv)
     elif FMT == IQ3_S:
         qi = j // 4
-        idx = _u8(b + 2 + qi, m) | (((_u8(b + 66 + qi // 8, m) >> (qi % 8)) & 1) << 8)
+        idx = _u8(b + IQ3_S_qs + qi, m) | (((_u8(b + IQ3_S_qh + qi // 8, m) >> (qi % 8)) & 1) << 8)
         gv = tl.load(tab + idx * 4 + j % 4, mask=m, other=0.0)
-        return tl.where(((_u8(b + 74 + j // 8, m) >> (j % 8)) & 1) != 0, -gv, gv)
+        return tl.where(((_u8(b + IQ3_S_signs + j // 8, m) >> (j % 8)) & 1) != 0, -gv, gv)
     elif FMT == IQ1_S:
         l = (j % 32) // 8
-        idx = _u8(b + 2 + (j // 32) * 4 + l, m) | (((aux >> (3 * l)) & 7) << 8)
+        idx = _u8(b + IQ1_S_qs + (j // 32) * 4 + l, m) | (((aux >> (3 * l)) & 7) << 8)
         return tl.load(tab + idx * 8 + j % 8, mask=m, other=0.0)
     elif FMT == IQ1_M:
-        idx = _u8(b + j // 8, m) | ((aux & 7) << 8)
+        idx = _u8(b + IQ1_M_qs + j // 8, m) | ((aux & 7) << 8)
         return tl.load(tab + idx * 8 + j % 8, mask=m, other=0.0)
     else:
         tl.static_assert(FMT == NVFP4, "group_code: format without a grouped rule")
         s = j // 16
         r = j % 16
-        return tl.load(tab + ((_u8(b + 4 + s * 8 + r % 8, m) >> (4 * (r // 8))) & 0xF), mask=m, other=0.0)
+        return tl.load(tab + ((_u8(b + NVFP4_qs + s * 8 + r % 8, m) >> (4 * (r // 8))) & 0xF), mask=m, other=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rule table: every function ``_unpack_<name>`` above is the element rule of ggml format
+# <NAME> (its grouped rule is its arm of group_params / group_code).
+
+_RULE_NAMES = tuple(n[len("_unpack_"):].upper() for n in list(globals()) if n.startswith("_unpack_"))
+
+SUPPORTED: dict[str, int] = {n: FORMATS[n].type_id for n in FORMATS if n in _RULE_NAMES}
+"""The formats the unpack rules cover that the registry holds: ggml name -> ggml type id."""
+
+GROUP_LEN: dict[str, int] = {n: FORMATS[n].group_len for n in SUPPORTED if FORMATS[n].group_len}
+"""Values per (scale, offset) group of the formats that have a grouped rule (the registry's
+``group_len``; every quantized format has one, the dense ones use the element rules)."""
+
+
+def _constants() -> dict:
+    """The compile-time constants of the rules, from the format registry: ``<NAME>`` the ggml type
+    id of each format (the kernels' ``FMT``; -1 for a rule whose format this gguf does not know,
+    so its branches never match), ``<NAME>_<field>`` the byte offset of each field of its block
+    struct (``Q2_K_d`` = 80). The rules read bytes only through these names; Triton resolves
+    them when a kernel is first compiled."""
+    out = {n: tl.constexpr(SUPPORTED.get(n, -1)) for n in _RULE_NAMES}
+    for name in SUPPORTED:
+        for f in FORMATS[name].fields:
+            out[f"{name}_{f.name}"] = tl.constexpr(f.offset)
+    return out
+
+
+globals().update(_constants())

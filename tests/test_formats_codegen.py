@@ -1,0 +1,57 @@
+"""csrc/cpu/ggml_blocks.h is generated from the format registry and must not drift from it.
+
+The header gives the C++ kernels their block structs, field offsets, type ids and table slots;
+regenerating it from the registry and comparing with the committed file catches a layout edited
+on one side only (run ``python -m hanzo_torch.formats.codegen`` to rewrite it).
+"""
+from __future__ import annotations
+
+import re
+
+import hanzo_torch
+from hanzo_torch.formats import codegen
+
+
+def test_committed_header_is_the_generated_one():
+    committed = codegen.HEADER_PATH.read_text()
+    assert committed == codegen.render_header(), (
+        f"{codegen.HEADER_PATH} differs from the registry: run python -m hanzo_torch.formats.codegen")
+
+
+def test_check_mode_reports_a_stale_header(tmp_path, capsys):
+    path = tmp_path / "ggml_blocks.h"
+    path.write_text(codegen.render_header())
+    assert codegen.main(["--check", "-o", str(path)]) == 0
+    path.write_text(codegen.render_header().replace("uint8_t qs[16];", "uint8_t qs[15];", 1))
+    assert codegen.main(["--check", "-o", str(path)]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert codegen.main(["-o", str(path)]) == 0 and path.read_text() == codegen.render_header()
+
+
+def test_header_declares_every_quantized_format():
+    text = codegen.render_header()
+    for fmt in hanzo_torch.FORMATS.values():
+        s = codegen.block_struct_name(fmt)
+        if fmt.dense:
+            assert f"struct {s} " not in text
+            continue
+        assert f'static_assert(sizeof({s}) == {fmt.type_size},' in text, fmt.name
+        for f in fmt.fields:
+            assert f"static_assert(offsetof({s}, {f.name}) == {f.offset}," in text, (fmt.name, f.name)
+        m = re.search(rf"struct {s} {{\n(.*?)\n}};", text, re.S)
+        assert f"type_id = {fmt.type_id}, qk = {fmt.block_size}" in m.group(1), fmt.name
+    assert codegen.block_struct_name(hanzo_torch.get_format("Q4_K")) == "block_q4_K"
+    assert codegen.block_struct_name(hanzo_torch.get_format("IQ2_XXS")) == "block_iq2_xxs"
+
+
+def test_table_slots_hold_the_registry_grids():
+    slots = codegen.table_slots()
+    assert [s for s, *_ in slots] == list(range(len(slots)))
+    text = codegen.render_header()
+    for slot, name, table, values in slots:
+        fmt = hanzo_torch.get_format(name)
+        assert values.dtype.is_signed and values.numel() == fmt.tables[table].cpu.numel()
+        assert (values.float() == fmt.tables[table].cpu.reshape(values.shape)).all()
+        assert f"HZ_TABLE_{name}_{table.upper()} = {slot}," in text
+    # IQ1_M reads IQ1_S's grid: one slot for both
+    assert "HZ_TABLE_IQ1_M_GRID = " + str(next(s for s, n, *_ in slots if n == "IQ1_S")) in text
