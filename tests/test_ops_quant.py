@@ -433,9 +433,6 @@ def test_reference_mode_switches_the_native_kernel():
 
 
 # ---------------------------------------------------------------------- real weights
-MODEL = "/root/.cache/hanzo-torch/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-
-
 @pytest.mark.slow
 def test_real_model_weights_numeric():
     """mul_mat and get_rows on real Qwen2.5-Coder-1.5B Q4_K_M weights (Q4_K, Q6_K), same bounds as the
@@ -444,9 +441,9 @@ def test_real_model_weights_numeric():
 
     import gguf
 
-    if not os.path.exists(MODEL):
-        pytest.fail(f"real model missing: {MODEL}")
-    reader = gguf.GGUFReader(MODEL)
+    from conftest import real_model_path
+
+    reader = gguf.GGUFReader(str(real_model_path()))
     tensors = {t.name: t for t in reader.tensors}
     x = torch.randn(3, 8960, generator=torch.Generator().manual_seed(20))
     for name in ("blk.0.attn_k.weight", "blk.0.ffn_down.weight", "blk.27.ffn_up.weight"):

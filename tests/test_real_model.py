@@ -24,11 +24,9 @@ pytestmark = pytest.mark.slow
 
 
 def _model_path() -> Path:
-    root = Path(os.environ.get("HANZO_CACHE") or Path.home() / ".cache" / "hanzo-torch")
-    path = root / "models" / MODEL_FILE
-    if not path.is_file():
-        pytest.skip(f"real model not present at {path}")
-    return path
+    from conftest import real_model_path
+
+    return real_model_path()
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,9 @@ from gguf import GGUFValueType as VT
 import hanzo_torch
 from hanzo_torch import GGUFFile, GGUFTensor, get_format, save_gguf
 
-MODEL = os.environ.get(
-    "HANZO_TEST_MODEL",
-    os.path.expanduser("~/.cache/hanzo-torch/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
-)
-needs_model = pytest.mark.skipif(not os.path.exists(MODEL), reason=f"real model not downloaded: {MODEL} is absent")
+MODEL = str(hanzo_torch.hub.model_path())  # where the library keeps the default model ($HANZO_CACHE)
+needs_model = pytest.mark.skipif(not os.path.exists(MODEL),
+                                 reason=f"real model not downloaded: {MODEL} is absent (run `hanzo-torch pull`)")
 
 ROWS_PER_CHUNK = 4096  # bounds the memory of the numpy oracle on the 151936-row embeddings
 
