@@ -572,13 +572,20 @@ bool positions_in(const at::Tensor& pos, int64_t S) {
     return true;
 }
 
+// A KV cache of rows of D values: float32/bfloat16/float16 [.., D], or q8_0 blocks uint8 [.., D/32*34].
+bool kv_cache_ok(const at::Tensor& c, int64_t D) {
+    const auto d = c.scalar_type();
+    if (d == at::kByte) return D % 32 == 0 && c.size(3) == D / 32 * 34;
+    return (d == at::kFloat || d == at::kBFloat16 || d == at::kHalf) && c.size(3) == D;
+}
+
 void kv_cache_write_cpu(at::Tensor& kc, at::Tensor& vc, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos) {
     bool ok = on(F_KV_CACHE_WRITE) && !env_set("HANZO_KV_CACHE_WRITE_FALLBACK") && kc.dim() == 4 && kc.sizes() == vc.sizes() && k.dim() == 4 &&
               k.sizes() == v.sizes() && kc.device().is_cpu() && vc.device().is_cpu() && k.device().is_cpu() &&
               v.device().is_cpu() && kc.is_contiguous() && vc.is_contiguous();
     if (ok)
-        ok = k.size(0) == kc.size(0) && k.size(2) == kc.size(2) && k.size(3) == kc.size(3) &&
-             k.scalar_type() == kc.scalar_type() && v.scalar_type() == vc.scalar_type() && pos.dim() == 2 &&
+        ok = k.size(0) == kc.size(0) && k.size(2) == kc.size(2) && kv_cache_ok(kc, k.size(3)) && is_act(k) &&
+             v.scalar_type() == k.scalar_type() && vc.scalar_type() == kc.scalar_type() && pos.dim() == 2 &&
              pos.size(0) == k.size(0) && pos.size(1) == k.size(1) && is_int(pos) && positions_in(pos, kc.size(1));
     if (!ok) return call_body<void>("kv_cache_write", kc, vc, k, v, pos);
     static auto op = cpu_op<KvSig>("hanzo_cpu::kv_cache_write");
@@ -592,8 +599,8 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& kc, const at::Te
               vc.device().is_cpu();
     if (ok) {
         const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hk = kc.size(2);
-        ok = kc.size(0) == B && kc.size(3) == D && Hk > 0 && Hq % Hk == 0 && kc.scalar_type() == q.scalar_type() &&
-             vc.scalar_type() == q.scalar_type() && pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T &&
+        ok = kc.size(0) == B && kv_cache_ok(kc, D) && Hk > 0 && Hq % Hk == 0 && vc.scalar_type() == kc.scalar_type() &&
+             pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T &&
              is_int(pos) && positions_in(pos, kc.size(1));
     }
     if (!ok) return call_body<at::Tensor>("attention", q, kc, vc, pos, scale, std::string(impl));
