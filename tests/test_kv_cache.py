@@ -140,6 +140,19 @@ def test_attention_cache_dtypes(kv, case, both_paths):
             close(fast, slow, q_dtype)
 
 
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_portable_decode_loops(kv, monkeypatch):
+    """HANZO_CPU_ISA=scalar: the decode kernel's portable loops (the AVX2 ones run by default)."""
+    c = dict(CASES[0], D=40)  # D % 8 != 0 also takes the portable loops on AVX2 CPUs
+    for case in (CASES[0], c) if kv == "f16" else (CASES[0],):
+        q, kc, vc, pos = _inputs(kv=kv, q_dtype=torch.float32, **case)
+        expect = ref.attention_reference(q, kc, vc, pos, 0.1, "eager")
+        monkeypatch.setenv("HANZO_CPU_ISA", "scalar")
+        close(cf.attention(q, kc, vc, pos, 0.1), expect, torch.float32)
+        monkeypatch.delenv("HANZO_CPU_ISA")
+        close(cf.attention(q, kc, vc, pos, 0.1), expect, torch.float32)
+
+
 def test_tolerance_catches_a_wrong_position():
     q, kc, vc, pos = _inputs(kv="q8_0", q_dtype=torch.float32, **CASES[0])
     good = ref.attention_reference(q, kc, vc, pos, 0.1, "eager")
@@ -189,7 +202,9 @@ def test_fake_kernels_accept_q8_0_caches():
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
     path = tmp_path_factory.mktemp("kv") / "qwen3.gguf"
-    return write_tiny_gguf(path, tiny_spec("qwen3"), tokenizer_metadata(full=False))
+    # packed (C++ kernels): a float32 tied 151k-row embedding would be dequantized per forward
+    spec = tiny_spec("qwen3", qtypes=dict(embd="Q8_0", attn="Q8_0", ffn="Q8_0", ffn_down="Q8_0"))
+    return write_tiny_gguf(path, spec, tokenizer_metadata(full=False))
 
 
 def _greedy(model, prompt, n):
@@ -206,17 +221,20 @@ def _greedy(model, prompt, n):
 
 def test_model_kv_f16_matches_f32(tiny_qwen3):
     prompt = torch.randint(0, 1000, (1, 12), generator=g(5))
-    base = hanzo_torch.load(tiny_qwen3, max_context=64, kv_dtype="f32")
-    toks32, logits32 = _greedy(base, prompt, 8)
-    assert base.blk[0].k_cache.dtype == torch.float32
-    default = hanzo_torch.load(tiny_qwen3, max_context=64)  # f16 on the CPU by default
-    toks16, logits16 = _greedy(default, prompt, 8)
-    assert default.kv_dtype == "f16" and default.blk[0].k_cache.dtype == torch.float16
+    model = hanzo_torch.load(tiny_qwen3, max_context=64)  # f16 cache on the CPU by default
+    assert model.kv_dtype == "f16"
+    toks16, logits16 = _greedy(model, prompt, 8)
+    assert model.blk[0].k_cache.dtype == torch.float16
+    model.kv_dtype = "f32"
+    model.setup_cache(1)
+    toks32, logits32 = _greedy(model, prompt, 8)
+    assert model.blk[0].k_cache.dtype == torch.float32
     assert toks16 == toks32
     assert err(logits16, logits32) < LOGIT_RTOL
-    q8 = hanzo_torch.load(tiny_qwen3, max_context=64, kv_dtype="q8_0")
-    toks8, logits8 = _greedy(q8, prompt, 8)
-    assert q8.blk[0].k_cache.dtype == torch.uint8 and q8.blk[0].k_cache.shape[-1] == 128 // 32 * 34
+    model.kv_dtype = "q8_0"
+    model.setup_cache(1)
+    toks8, logits8 = _greedy(model, prompt, 8)
+    assert model.blk[0].k_cache.dtype == torch.uint8 and model.blk[0].k_cache.shape[-1] == 128 // 32 * 34
     assert torch.isfinite(logits8).all() and err(logits8, logits32) < 5 * LOGIT_RTOL
 
 

@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -297,6 +298,144 @@ void f16_row_f16c(const uint16_t*, float*, int64_t) {}
 bool has_f16c() { return false; }
 #endif
 
+// The two inner loops of decode attention, per key (or value) row r of D floats, for the G query
+// heads of a group: scores s[g * ss] = (q_g . r) * sc, and acc[g][:] += p[g * ps] * r.
+// And the softmax numerators: s[j] = exp(s[j] - m) for j < n, returning their sum.
+struct DecodeLoops {
+    void (*scores)(const float* q, int64_t G, const float* r, int64_t D, float sc, float* s, int64_t ss);
+    void (*pv)(const float* p, int64_t ps, int64_t G, const float* r, int64_t D, float* acc);
+    float (*exp_sum)(float* s, int64_t n, float m);
+};
+
+float exp_sum_generic(float* s, int64_t n, float m) {
+    float l = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+        s[j] = std::exp(s[j] - m);
+        l += s[j];
+    }
+    return l;
+}
+
+void scores_generic(const float* q, int64_t G, const float* r, int64_t D, float sc, float* s, int64_t ss) {
+    for (int64_t g = 0; g < G; ++g) s[g * ss] = dot_f32(q + g * D, r, D) * sc;
+}
+void pv_generic(const float* p, int64_t ps, int64_t G, const float* r, int64_t D, float* acc) {
+    for (int64_t g = 0; g < G; ++g) {
+        const float pg = p[g * ps];
+        float* a = acc + g * D;
+        for (int64_t d = 0; d < D; ++d) a[d] += pg * r[d];
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+// Four query heads per pass over the row: the row's 8-float loads are shared and the four
+// accumulators are independent FMA chains.
+__attribute__((target("avx2,fma"))) void scores_avx2(const float* q, int64_t G, const float* r, int64_t D, float sc,
+                                                    float* s, int64_t ss) {
+    if (D % 8) return scores_generic(q, G, r, D, sc, s, ss);
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const float* q0 = q + g * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < D; i += 8) {
+            const __m256 rv = _mm256_loadu_ps(r + i);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), rv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + D + i), rv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * D + i), rv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * D + i), rv, a3);
+        }
+        s[g * ss] = hsum8(a0) * sc;
+        s[(g + 1) * ss] = hsum8(a1) * sc;
+        s[(g + 2) * ss] = hsum8(a2) * sc;
+        s[(g + 3) * ss] = hsum8(a3) * sc;
+    }
+    for (; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        int64_t i = 0;
+        for (; i + 16 <= D; i += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(r + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(r + i + 8), a1);
+        }
+        if (i < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(r + i), a0);
+        s[g * ss] = hsum8(_mm256_add_ps(a0, a1)) * sc;
+    }
+}
+__attribute__((target("avx2,fma"))) void pv_avx2(const float* p, int64_t ps, int64_t G, const float* r, int64_t D,
+                                                float* acc) {
+    if (D % 8) return pv_generic(p, ps, G, r, D, acc);
+    for (int64_t g = 0; g < G; ++g) {
+        const __m256 pg = _mm256_set1_ps(p[g * ps]);
+        float* a = acc + g * D;
+        for (int64_t i = 0; i < D; i += 8)
+            _mm256_storeu_ps(a + i, _mm256_fmadd_ps(pg, _mm256_loadu_ps(r + i), _mm256_loadu_ps(a + i)));
+    }
+}
+// exp(x) for 8 lanes, x <= 0 here: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2)/2, e^r by
+// a degree-6 polynomial (Cephes expf coefficients; about 1 ulp). x below -87.3 gives 2^-126
+// times a value near 1 instead of 0 or a denormal: nothing next to the row's maximum, e^0 = 1.
+// A NaN lane stays NaN (as std::exp keeps it).
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);  // the second operand is returned for NaN
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+__attribute__((target("avx2,fma"))) float exp_sum_avx2(float* s, int64_t n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float l = hsum8(acc);
+    for (; j < n; ++j) {
+        s[j] = std::exp(s[j] - m);
+        l += s[j];
+    }
+    return l;
+}
+bool has_avx2_fma() {
+    static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+    return yes;
+}
+#else
+void scores_avx2(const float* q, int64_t G, const float* r, int64_t D, float sc, float* s, int64_t ss) {
+    scores_generic(q, G, r, D, sc, s, ss);
+}
+void pv_avx2(const float* p, int64_t ps, int64_t G, const float* r, int64_t D, float* acc) {
+    pv_generic(p, ps, G, r, D, acc);
+}
+float exp_sum_avx2(float* s, int64_t n, float m) { return exp_sum_generic(s, n, m); }
+bool has_avx2_fma() { return false; }
+#endif
+
+// AVX2+FMA loops where the CPU has them, unless HANZO_CPU_ISA=scalar asks for the portable ones
+// (read per call, so one process can A/B them).
+DecodeLoops decode_loops() {
+    const char* isa = std::getenv("HANZO_CPU_ISA");
+    if (has_avx2_fma() && !(isa != nullptr && std::strcmp(isa, "scalar") == 0)) return {scores_avx2, pv_avx2, exp_sum_avx2};
+    return {scores_generic, pv_generic, exp_sum_generic};
+}
+
 // One cache row (D values at src) -> float32 dst[D].
 inline void kv_load_row(KvKind kind, const uint8_t* src, int64_t D, float* dst) {
     switch (kind) {
@@ -461,6 +600,7 @@ void attention_decode(const float* qp, const uint8_t* kp, const uint8_t* vp, flo
     const int64_t stride = G * (D + 2);  // per unit: m[G], l[G], acc[G][D]
     std::vector<float> part(static_cast<size_t>(nu * stride));
     const bool direct = kind == KvKind::F32;  // float32 rows are read in place
+    const DecodeLoops loops = decode_loops();
     auto run = [&](int64_t u0, int64_t u1) {
         std::vector<float> row(static_cast<size_t>(D)), s(static_cast<size_t>(G * kAttnChunk));
         for (int64_t u = u0; u < u1; ++u) {
@@ -475,7 +615,7 @@ void attention_decode(const float* qp, const uint8_t* kp, const uint8_t* vp, flo
                     kv_load_row(kind, kb + j * key_stride, D, row.data());
                     kr = row.data();
                 }
-                for (int64_t g = 0; g < G; ++g) s[g * kAttnChunk + j] = dot_f32(qg + g * D, kr, D) * sc;
+                loops.scores(qg, G, kr, D, sc, s.data() + j, kAttnChunk);
             }
             float* m = part.data() + u * stride;
             float* l = m + G;
@@ -484,13 +624,8 @@ void attention_decode(const float* qp, const uint8_t* kp, const uint8_t* vp, flo
                 float* sg = s.data() + g * kAttnChunk;
                 float mg = -std::numeric_limits<float>::infinity();
                 for (int64_t j = 0; j < nk; ++j) mg = std::max(mg, sg[j]);
-                float lg = 0.0f;
-                for (int64_t j = 0; j < nk; ++j) {
-                    sg[j] = std::exp(sg[j] - mg);
-                    lg += sg[j];
-                }
                 m[g] = mg;
-                l[g] = lg;
+                l[g] = loops.exp_sum(sg, nk, mg);
             }
             std::fill(acc, acc + G * D, 0.0f);
             for (int64_t j = 0; j < nk; ++j) {
@@ -499,11 +634,7 @@ void attention_decode(const float* qp, const uint8_t* kp, const uint8_t* vp, flo
                     kv_load_row(kind, vb + j * key_stride, D, row.data());
                     vr = row.data();
                 }
-                for (int64_t g = 0; g < G; ++g) {
-                    const float pj = s[g * kAttnChunk + j];
-                    float* a = acc + g * D;
-                    for (int64_t d = 0; d < D; ++d) a[d] += pj * vr[d];
-                }
+                loops.pv(s.data() + j, kAttnChunk, G, vr, D, acc);
             }
         }
     };
