@@ -363,9 +363,8 @@ def cmd_bench(args) -> int:
         ftype = _file_type_name(f.metadata) or "?"
         arch = f.architecture or "?"
     dtype = str(model.dtype).removeprefix("torch.") if hasattr(model, "dtype") else "?"
-    if getattr(model, "kv_dtype", None):
-        dtype += f", kv {model.kv_dtype}"
-    _err(f"model {path.name} loaded in {load_s:.2f} s on {device}")
+    kv = f", KV cache {model.kv_dtype}" if getattr(model, "kv_dtype", None) else ""
+    _err(f"model {path.name} loaded in {load_s:.2f} s on {device}{kv}")
     cols = ["model", "size", "params", "device", "dtype", "test", "t/s (median)", "± stdev", "runs"]
     head = f"{arch} {ftype}"
     print("| " + " | ".join(cols) + " |")
