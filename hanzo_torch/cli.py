@@ -24,6 +24,7 @@ __all__ = ["main", "build_parser"]
 
 PROG = "hanzo-torch"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_DTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 
 
 class CLIError(Exception):
@@ -56,8 +57,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file (default: Qwen2.5-Coder-1.5B-Instruct Q4_K_M, downloaded on first use)")
     p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=_DTYPES,
-                   help="activation/KV-cache dtype (default: float32 on cpu, bfloat16 elsewhere)")
+                   help="activation dtype (default: float32 on cpu, bfloat16 elsewhere)")
     p.add_argument("--max-context", type=_positive_int, metavar="N", help="KV cache length in tokens")
+    p.add_argument("--kv-dtype", default="auto", choices=_KV_DTYPES,
+                   help="KV cache type (default: f16 on cpu, the --dtype elsewhere); q8_0: 8.5 bits per value")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +155,9 @@ def _load(args, max_context: Optional[int] = None):
     path = _model_path(args.model, quiet=getattr(args, "quiet", False))
     device, dtype = _device_dtype(args.device, args.dtype)
     t0 = time.perf_counter()
-    model = load(path, device=device, dtype=dtype, max_context=args.max_context or max_context)
+    kv = getattr(args, "kv_dtype", "auto")
+    model = load(path, device=device, dtype=dtype, max_context=args.max_context or max_context,
+                 kv_dtype=None if kv == "auto" else kv)
     return model, path, time.perf_counter() - t0
 
 
@@ -358,7 +363,8 @@ def cmd_bench(args) -> int:
         ftype = _file_type_name(f.metadata) or "?"
         arch = f.architecture or "?"
     dtype = str(model.dtype).removeprefix("torch.") if hasattr(model, "dtype") else "?"
-    _err(f"model {path.name} loaded in {load_s:.2f} s on {device}")
+    kv = f", KV cache {model.kv_dtype}" if getattr(model, "kv_dtype", None) else ""
+    _err(f"model {path.name} loaded in {load_s:.2f} s on {device}{kv}")
     cols = ["model", "size", "params", "device", "dtype", "test", "t/s (median)", "± stdev", "runs"]
     head = f"{arch} {ftype}"
     print("| " + " | ".join(cols) + " |")

@@ -263,11 +263,14 @@ def test_ops_dispatch_and_fallback_ab(ext, monkeypatch):
 
 
 def test_forced_isa_env(ext, monkeypatch):
-    monkeypatch.setenv("HANZO_CPU_ISA", "scalar")
-    assert hcpu.default_isa() == 0
-    monkeypatch.setenv("HANZO_CPU_ISA", "sse9")
+    """HANZO_CPU_ISA is read once, at import: a bad value is reported by check_environment (which
+    load() and the CLI call before any long work)."""
+    monkeypatch.setattr(hcpu, "_FORCED_ISA", "sse9")
     with pytest.raises(ValueError, match="HANZO_CPU_ISA"):
-        hcpu.default_isa()
+        hcpu.check_environment()
+    with pytest.raises(ValueError, match="HANZO_CPU_ISA"):
+        hcpu._choose_isa("sse9")
+    assert hcpu._choose_isa("scalar") == 0
 
 
 def test_isa_self_check_passes_on_this_cpu(ext):

@@ -1,8 +1,11 @@
 // CPU kernels of the small fused transformer ops (hanzo::rms_norm, add_rms_norm, qk_norm_rope,
 // swiglu, kv_cache_write, attention, moe_route). Each is one pass of plain loops over rows in
 // float32 (f16/bf16 inputs are converted per element, results rounded once to the input dtype),
-// with the same maths as the references in hanzo_torch/ops/fused.py; prompt-sized attention
-// (T >= kAttnTileMinT) runs its two contractions as ATen/BLAS float32 GEMMs over token tiles.
+// with the same maths as the references in hanzo_torch/ops/fused.py. The KV cache may be float32,
+// float16, bfloat16 or q8_0 blocks whatever the activation dtype (see "KV cache element formats").
+// Decode-sized attention reads each KV head's rows once for all its query heads (split over key
+// chunks); prompt-sized attention (T >= kAttnTileMinT) runs its two contractions as ATen/BLAS
+// float32 GEMMs over token tiles, on a float32 copy of the live cache prefix.
 //
 // Registered with the torch dispatcher as the namespace ``hanzo_cpu`` (so this file needs no hook in
 // the pybind module of ops.cpp); hanzo_torch/backends/cpu/fused.py calls them after the op wrappers in
@@ -12,14 +15,23 @@
 // Threading: decode shapes are a few thousand floats per op, where waking the intra-op pool costs
 // more than the work, so at::parallel_for is used only above kParallelWork floats of work.
 #include <torch/library.h>
+#include "hz_api.h"
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -30,6 +42,7 @@ namespace {
 constexpr int64_t kParallelWork = 1 << 16;  // floats touched below which one thread does the op
 constexpr int64_t kAttnTileMinT = 8;        // attention: query tokens from which the GEMM tiles run
 constexpr int64_t kAttnTileRows = 192;      // attention: query rows (heads x tokens) per GEMM tile
+constexpr int64_t kAttnChunk = 256;         // attention: keys per decode work unit (split-K)
 
 
 template <typename T>
@@ -229,6 +242,276 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q_in, const at
 }
 
 // ---------------------------------------------------------------------------------------------
+// KV cache element formats
+// ---------------------------------------------------------------------------------------------
+// A cache is float32, float16 or bfloat16 [B, S, Hk, D], or q8_0: uint8 [B, S, Hk, D/32*34], each
+// row of D values stored as D/32 ggml block_q8_0 (an f16 scale d, then 32 int8 codes q; x = d*q).
+// Rows are converted to float32 when read; scores, softmax and P*V are float32 for every kind.
+enum class KvKind { F32, F16, BF16, Q8_0 };
+constexpr int64_t kQ8Block = 32;  // values per block_q8_0
+constexpr int64_t kQ8Bytes = 34;  // bytes per block_q8_0
+
+KvKind kv_kind(const at::Tensor& c, const char* op) {
+    switch (c.scalar_type()) {
+        case at::kFloat: return KvKind::F32;
+        case at::kHalf: return KvKind::F16;
+        case at::kBFloat16: return KvKind::BF16;
+        case at::kByte: return KvKind::Q8_0;
+        default: break;
+    }
+    TORCH_CHECK(false, "hanzo_cpu.", op, ": cache dtype ", c.scalar_type(),
+                " is not float32, float16, bfloat16 or uint8 (q8_0 blocks)");
+    return KvKind::F32;
+}
+
+// Bytes of one cache row of D values.
+int64_t kv_row_bytes(KvKind kind, int64_t D) {
+    switch (kind) {
+        case KvKind::F32: return 4 * D;
+        case KvKind::F16:
+        case KvKind::BF16: return 2 * D;
+        case KvKind::Q8_0: return D / kQ8Block * kQ8Bytes;
+    }
+    return 0;
+}
+
+// Whether a cache whose last dim is `last` holds rows of D values.
+bool kv_fits(KvKind kind, int64_t last, int64_t D) {
+    return kind == KvKind::Q8_0 ? D % kQ8Block == 0 && last == D / kQ8Block * kQ8Bytes : last == D;
+}
+
+inline float half_bits_to_f32(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// f16 -> f32 with the F16C instructions (exact, like the scalar conversion), chosen at run time.
+__attribute__((target("avx,f16c"))) void f16_row_f16c(const uint16_t* s, float* d, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+    for (; i < n; ++i) d[i] = half_bits_to_f32(s[i]);
+}
+bool has_f16c() {
+    static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c"));
+    return yes;
+}
+#else
+void f16_row_f16c(const uint16_t*, float*, int64_t) {}
+bool has_f16c() { return false; }
+#endif
+
+// The two inner loops of decode attention, per key (or value) row r of D floats, for the G query
+// heads of a group: scores s[g * ss] = (q_g . r) * sc, and acc[g][:] += p[g * ps] * r.
+// And the softmax numerators: s[j] = exp(s[j] - m) for j < n, returning their sum.
+struct DecodeLoops {
+    void (*scores)(const float* q, int64_t G, const float* r, int64_t D, float sc, float* s, int64_t ss);
+    void (*pv)(const float* p, int64_t ps, int64_t G, const float* r, int64_t D, float* acc);
+    float (*exp_sum)(float* s, int64_t n, float m);
+};
+
+float exp_sum_generic(float* s, int64_t n, float m) {
+    float l = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+        s[j] = std::exp(s[j] - m);
+        l += s[j];
+    }
+    return l;
+}
+
+void scores_generic(const float* q, int64_t G, const float* r, int64_t D, float sc, float* s, int64_t ss) {
+    for (int64_t g = 0; g < G; ++g) s[g * ss] = dot_f32(q + g * D, r, D) * sc;
+}
+void pv_generic(const float* p, int64_t ps, int64_t G, const float* r, int64_t D, float* acc) {
+    for (int64_t g = 0; g < G; ++g) {
+        const float pg = p[g * ps];
+        float* a = acc + g * D;
+        for (int64_t d = 0; d < D; ++d) a[d] += pg * r[d];
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+// Four query heads per pass over the row: the row's 8-float loads are shared and the four
+// accumulators are independent FMA chains.
+__attribute__((target("avx2,fma"))) void scores_avx2(const float* q, int64_t G, const float* r, int64_t D, float sc,
+                                                    float* s, int64_t ss) {
+    if (D % 8) return scores_generic(q, G, r, D, sc, s, ss);
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const float* q0 = q + g * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < D; i += 8) {
+            const __m256 rv = _mm256_loadu_ps(r + i);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), rv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + D + i), rv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * D + i), rv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * D + i), rv, a3);
+        }
+        s[g * ss] = hsum8(a0) * sc;
+        s[(g + 1) * ss] = hsum8(a1) * sc;
+        s[(g + 2) * ss] = hsum8(a2) * sc;
+        s[(g + 3) * ss] = hsum8(a3) * sc;
+    }
+    for (; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        int64_t i = 0;
+        for (; i + 16 <= D; i += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(r + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(r + i + 8), a1);
+        }
+        if (i < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(r + i), a0);
+        s[g * ss] = hsum8(_mm256_add_ps(a0, a1)) * sc;
+    }
+}
+__attribute__((target("avx2,fma"))) void pv_avx2(const float* p, int64_t ps, int64_t G, const float* r, int64_t D,
+                                                float* acc) {
+    if (D % 8) return pv_generic(p, ps, G, r, D, acc);
+    for (int64_t g = 0; g < G; ++g) {
+        const __m256 pg = _mm256_set1_ps(p[g * ps]);
+        float* a = acc + g * D;
+        for (int64_t i = 0; i < D; i += 8)
+            _mm256_storeu_ps(a + i, _mm256_fmadd_ps(pg, _mm256_loadu_ps(r + i), _mm256_loadu_ps(a + i)));
+    }
+}
+// exp(x) for 8 lanes, x <= 0 here: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2)/2, e^r by
+// a degree-6 polynomial (Cephes expf coefficients; about 1 ulp). x below -87.3 gives 2^-126
+// times a value near 1 instead of 0 or a denormal: nothing next to the row's maximum, e^0 = 1.
+// A NaN lane stays NaN (as std::exp keeps it).
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);  // the second operand is returned for NaN
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+__attribute__((target("avx2,fma"))) float exp_sum_avx2(float* s, int64_t n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float l = hsum8(acc);
+    for (; j < n; ++j) {
+        s[j] = std::exp(s[j] - m);
+        l += s[j];
+    }
+    return l;
+}
+bool has_avx2_fma() {
+    static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+    return yes;
+}
+#else
+void scores_avx2(const float* q, int64_t G, const float* r, int64_t D, float sc, float* s, int64_t ss) {
+    scores_generic(q, G, r, D, sc, s, ss);
+}
+void pv_avx2(const float* p, int64_t ps, int64_t G, const float* r, int64_t D, float* acc) {
+    pv_generic(p, ps, G, r, D, acc);
+}
+float exp_sum_avx2(float* s, int64_t n, float m) { return exp_sum_generic(s, n, m); }
+bool has_avx2_fma() { return false; }
+#endif
+
+// AVX2+FMA loops where the CPU has them, unless the backend's instruction set is scalar
+// (hz_active_isa: HANZO_CPU_ISA at import, or hanzo_torch.backends.cpu.use_isa in process).
+DecodeLoops decode_loops() {
+    if (has_avx2_fma() && hz_active_isa.load(std::memory_order_relaxed) >= 1) return {scores_avx2, pv_avx2, exp_sum_avx2};
+    return {scores_generic, pv_generic, exp_sum_generic};
+}
+
+// One cache row (D values at src) -> float32 dst[D].
+inline void kv_load_row(KvKind kind, const uint8_t* src, int64_t D, float* dst) {
+    switch (kind) {
+        case KvKind::F32: std::memcpy(dst, src, static_cast<size_t>(D) * 4); return;
+        case KvKind::F16: {
+            const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+            if (has_f16c()) {
+                f16_row_f16c(s, dst, D);
+            } else {
+                for (int64_t i = 0; i < D; ++i) dst[i] = half_bits_to_f32(s[i]);
+            }
+            return;
+        }
+        case KvKind::BF16: {
+            const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+            for (int64_t i = 0; i < D; ++i) {
+                const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
+                std::memcpy(dst + i, &u, 4);
+            }
+            return;
+        }
+        case KvKind::Q8_0:
+            for (int64_t b = 0; b < D / kQ8Block; ++b) {
+                const uint8_t* blk = src + b * kQ8Bytes;
+                uint16_t h;
+                std::memcpy(&h, blk, 2);
+                const float d = half_bits_to_f32(h);
+                const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+                float* o = dst + b * kQ8Block;
+                for (int64_t j = 0; j < kQ8Block; ++j) o[j] = static_cast<float>(q[j]) * d;
+            }
+            return;
+    }
+}
+
+// float32 x[D] -> one cache row at dst: f16/bf16 round to nearest even (as Tensor.to does); q8_0
+// as ggml's quantize_row_q8_0_ref (d = amax/127 in float32 stored as f16, q = roundf(x / d),
+// clipped to [-128, 127], non-finite products 0), the bytes of hanzo_torch.quantize(x, "Q8_0").
+inline void kv_store_row(KvKind kind, const float* x, int64_t D, uint8_t* dst) {
+    switch (kind) {
+        case KvKind::F32: std::memcpy(dst, x, static_cast<size_t>(D) * 4); return;
+        case KvKind::F16: {
+            c10::Half* o = reinterpret_cast<c10::Half*>(dst);
+            for (int64_t i = 0; i < D; ++i) o[i] = c10::Half(x[i]);
+            return;
+        }
+        case KvKind::BF16: {
+            c10::BFloat16* o = reinterpret_cast<c10::BFloat16*>(dst);
+            for (int64_t i = 0; i < D; ++i) o[i] = c10::BFloat16(x[i]);
+            return;
+        }
+        case KvKind::Q8_0:
+            for (int64_t b = 0; b < D / kQ8Block; ++b) {
+                const float* xb = x + b * kQ8Block;
+                float amax = 0.0f;
+                for (int64_t j = 0; j < kQ8Block; ++j) {
+                    const float a = std::fabs(xb[j]);
+                    if (a > amax || std::isnan(a)) amax = a;  // a NaN stays (torch's amax propagates it)
+                    if (std::isnan(amax)) break;
+                }
+                const float d = amax / 127.0f;
+                const float id = d == 0.0f ? 0.0f : 1.0f / d;
+                uint8_t* blk = dst + b * kQ8Bytes;
+                const uint16_t h = c10::Half(d).x;
+                std::memcpy(blk, &h, 2);
+                int8_t* q = reinterpret_cast<int8_t*>(blk + 2);
+                for (int64_t j = 0; j < kQ8Block; ++j) {
+                    const float r = std::round(xb[j] * id);  // ties away from zero, as C roundf
+                    q[j] = std::isfinite(r) ? static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, r))) : 0;
+                }
+            }
+            return;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // kv_cache_write
 // ---------------------------------------------------------------------------------------------
 void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -236,14 +519,17 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_
     check_cpu(k_cache, "kv_cache_write", "k_cache");
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_in.dim() == 4 &&
                     k_in.sizes() == v_in.sizes(),
-                "hanzo_cpu.kv_cache_write: caches [B, S, Hk, D] and k, v [B, T, Hk, D] expected");
+                "hanzo_cpu.kv_cache_write: caches [B, S, Hk, D] (q8_0: [B, S, Hk, D/32*34]) and k, v [B, T, Hk, D] expected");
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "hanzo_cpu.kv_cache_write: caches must be contiguous");
-    TORCH_CHECK(k_in.scalar_type() == k_cache.scalar_type() && v_in.scalar_type() == v_cache.scalar_type() &&
-                    k_cache.scalar_type() == v_cache.scalar_type(),
-                "hanzo_cpu.kv_cache_write: dtype mismatch");
-    const int64_t B = k_cache.size(0), S = k_cache.size(1), row = k_cache.size(2) * k_cache.size(3);
+    TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_in.scalar_type() == v_in.scalar_type(),
+                "hanzo_cpu.kv_cache_write: k_cache and v_cache, and k and v, must share a dtype");
+    const KvKind kind = kv_kind(k_cache, "kv_cache_write");
+    const auto kt = k_in.scalar_type();
+    TORCH_CHECK(kt == at::kFloat || kt == at::kHalf || kt == at::kBFloat16,
+                "hanzo_cpu.kv_cache_write: k and v must be float32, float16 or bfloat16");
+    const int64_t B = k_cache.size(0), S = k_cache.size(1), Hk = k_cache.size(2), D = k_in.size(3);
     const int64_t T = k_in.size(1);
-    TORCH_CHECK(k_in.size(0) == B && k_in.size(2) == k_cache.size(2) && k_in.size(3) == k_cache.size(3),
+    TORCH_CHECK(k_in.size(0) == B && k_in.size(2) == Hk && kv_fits(kind, k_cache.size(3), D),
                 "hanzo_cpu.kv_cache_write: k does not fit the cache");
     TORCH_CHECK(positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T,
                 "hanzo_cpu.kv_cache_write: positions must be [B, T]");
@@ -251,63 +537,131 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_
     const int64_t* pp = pos.data_ptr<int64_t>();
     for (int64_t i = 0; i < B * T; ++i)
         TORCH_CHECK(pp[i] >= 0 && pp[i] < S, "hanzo_cpu.kv_cache_write: position ", pp[i], " outside [0, ", S, ")");
-    const int64_t bytes = row * k.element_size();
-    const char* ks = static_cast<const char*>(k.data_ptr());
-    const char* vs = static_cast<const char*>(v.data_ptr());
-    char* kd = static_cast<char*>(k_cache.data_ptr());
-    char* vd = static_cast<char*>(v_cache.data_ptr());
+    const int64_t rb = kv_row_bytes(kind, D), cache_row = Hk * rb;  // one head, one position
+    uint8_t* kd = static_cast<uint8_t*>(k_cache.data_ptr());
+    uint8_t* vd = static_cast<uint8_t*>(v_cache.data_ptr());
     // Rows are written in order, so a position repeated within one call keeps its last entry,
     // as index_put_ does on the CPU.
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t t = 0; t < T; ++t) {
-            const int64_t src = (b * T + t) * bytes, dst = (b * S + pp[b * T + t]) * bytes;
-            std::memcpy(kd + dst, ks + src, bytes);
-            std::memcpy(vd + dst, vs + src, bytes);
-        }
+    if (kt == k_cache.scalar_type()) {
+        const char* ks = static_cast<const char*>(k.data_ptr());
+        const char* vs = static_cast<const char*>(v.data_ptr());
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t src = (b * T + t) * cache_row, dst = (b * S + pp[b * T + t]) * cache_row;
+                std::memcpy(kd + dst, ks + src, cache_row);
+                std::memcpy(vd + dst, vs + src, cache_row);
+            }
+        return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kt, "hanzo_cpu_kv_cache_write", [&] {
+        const scalar_t* ks = k.data_ptr<scalar_t>();
+        const scalar_t* vs = v.data_ptr<scalar_t>();
+        std::vector<float> buf(static_cast<size_t>(D));
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t dst = (b * S + pp[b * T + t]) * cache_row;
+                for (int64_t h = 0; h < Hk; ++h) {
+                    const int64_t src = ((b * T + t) * Hk + h) * D;
+                    for (int64_t i = 0; i < D; ++i) buf[i] = ld(ks[src + i]);
+                    kv_store_row(kind, buf.data(), D, kd + dst + h * rb);
+                    for (int64_t i = 0; i < D; ++i) buf[i] = ld(vs[src + i]);
+                    kv_store_row(kind, buf.data(), D, vd + dst + h * rb);
+                }
+            }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
 // attention
 // ---------------------------------------------------------------------------------------------
-// Decode-sized calls (few query rows): per (b, t, kv head) loops over the keys 0..position.
-void attention_rows(const float* qp, const float* kp, const float* vp, float* op, const int64_t* pp, int64_t B,
-                    int64_t T, int64_t Hq, int64_t Hk, int64_t D, int64_t live, float sc) {
-    const int64_t G = Hq / Hk;
-    // One item = one (b, t, kv head): its G query heads share every key/value row read.
-    for_rows(B * T * Hk, G * live * D * 2, [&](int64_t i0, int64_t i1) {
-        std::vector<float> p(static_cast<size_t>(G * std::max<int64_t>(live, 1)));
-        for (int64_t it = i0; it < i1; ++it) {
-            const int64_t bt = it / Hk, hk = it % Hk, b = bt / T;
-            const int64_t n = pp[bt] + 1;  // keys 0..position
-            const float* kb = kp + (b * live * Hk + hk) * D;
-            const float* vb = vp + (b * live * Hk + hk) * D;
+// Decode-sized calls (few query rows), split-K: a work unit is (b, t, kv head, chunk of up to
+// kAttnChunk keys of 0..position). Each key row and value row of the chunk is read (and converted
+// to float32) once for all G query heads of the group, while it is in L1. A unit leaves per head
+// its score max m, sum l = sum exp(s - m) and unnormalized acc = sum exp(s - m) v (float32); the
+// units of one (b, t, kv head) are then merged: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+// One chunk is the exact max-subtracted softmax; more chunks let a long context use every thread.
+void attention_decode(const float* qp, const uint8_t* kp, const uint8_t* vp, float* op, const int64_t* pp, int64_t B,
+                      int64_t T, int64_t Hq, int64_t Hk, int64_t D, int64_t S, KvKind kind, float sc) {
+    const int64_t G = Hq / Hk, rb = kv_row_bytes(kind, D), key_stride = Hk * rb, batch_stride = S * Hk * rb;
+    struct Unit { int64_t bt, hk, j0, j1; };
+    std::vector<Unit> units;
+    std::vector<int64_t> first(static_cast<size_t>(B * T * Hk + 1));
+    int64_t keys = 0;
+    for (int64_t bt = 0; bt < B * T; ++bt) {
+        const int64_t n = pp[bt] + 1;  // keys 0..position
+        for (int64_t hk = 0; hk < Hk; ++hk) {
+            first[bt * Hk + hk] = static_cast<int64_t>(units.size());
+            for (int64_t j0 = 0; j0 < n; j0 += kAttnChunk) units.push_back({bt, hk, j0, std::min(n, j0 + kAttnChunk)});
+            keys += n;
+        }
+    }
+    const int64_t nu = static_cast<int64_t>(units.size());
+    first[B * T * Hk] = nu;
+    const int64_t stride = G * (D + 2);  // per unit: m[G], l[G], acc[G][D]
+    std::vector<float> part(static_cast<size_t>(nu * stride));
+    const bool direct = kind == KvKind::F32;  // float32 rows are read in place
+    const DecodeLoops loops = decode_loops();
+    auto run = [&](int64_t u0, int64_t u1) {
+        std::vector<float> row(static_cast<size_t>(D)), s(static_cast<size_t>(G * kAttnChunk));
+        for (int64_t u = u0; u < u1; ++u) {
+            const Unit& un = units[static_cast<size_t>(u)];
+            const int64_t b = un.bt / T, nk = un.j1 - un.j0;
+            const float* qg = qp + (un.bt * Hq + un.hk * G) * D;  // the group's G query heads, contiguous
+            const uint8_t* kb = kp + b * batch_stride + un.hk * rb + un.j0 * key_stride;
+            const uint8_t* vb = vp + b * batch_stride + un.hk * rb + un.j0 * key_stride;
+            for (int64_t j = 0; j < nk; ++j) {
+                const float* kr = reinterpret_cast<const float*>(kb + j * key_stride);
+                if (!direct) {
+                    kv_load_row(kind, kb + j * key_stride, D, row.data());
+                    kr = row.data();
+                }
+                loops.scores(qg, G, kr, D, sc, s.data() + j, kAttnChunk);
+            }
+            float* m = part.data() + u * stride;
+            float* l = m + G;
+            float* acc = m + 2 * G;
             for (int64_t g = 0; g < G; ++g) {
-                const int64_t h = hk * G + g;
-                const float* qh = qp + (bt * Hq + h) * D;
-                float* ph = p.data() + g * live;
-                float m = -std::numeric_limits<float>::infinity();
-                for (int64_t j = 0; j < n; ++j) {
-                    const float s = dot_f32(qh, kb + j * Hk * D, D) * sc;
-                    ph[j] = s;
-                    m = std::max(m, s);
+                float* sg = s.data() + g * kAttnChunk;
+                float mg = -std::numeric_limits<float>::infinity();
+                for (int64_t j = 0; j < nk; ++j) mg = std::max(mg, sg[j]);
+                m[g] = mg;
+                l[g] = loops.exp_sum(sg, nk, mg);
+            }
+            std::fill(acc, acc + G * D, 0.0f);
+            for (int64_t j = 0; j < nk; ++j) {
+                const float* vr = reinterpret_cast<const float*>(vb + j * key_stride);
+                if (!direct) {
+                    kv_load_row(kind, vb + j * key_stride, D, row.data());
+                    vr = row.data();
                 }
-                float l = 0.0f;
-                for (int64_t j = 0; j < n; ++j) {
-                    ph[j] = std::exp(ph[j] - m);
-                    l += ph[j];
-                }
-                float* oh = op + (bt * Hq + h) * D;
-                std::fill(oh, oh + D, 0.0f);
-                for (int64_t j = 0; j < n; ++j) {
-                    const float pj = ph[j];
-                    const float* vj = vb + j * Hk * D;
-                    for (int64_t d = 0; d < D; ++d) oh[d] += pj * vj[d];
-                }
-                const float inv = 1.0f / l;
-                for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+                loops.pv(s.data() + j, kAttnChunk, G, vr, D, acc);
             }
         }
-    });
+    };
+    // work ~ (2G dots + conversion) per key; below kParallelWork floats one thread does it all
+    if (keys * D * (2 * G + 1) < kParallelWork || at::get_num_threads() == 1 || nu == 1)
+        run(0, nu);
+    else
+        at::parallel_for(0, nu, 1, run);
+    for (int64_t i = 0; i < B * T * Hk; ++i) {
+        const int64_t bt = i / Hk, hk = i % Hk, c0 = first[i], c1 = first[i + 1];
+        for (int64_t g = 0; g < G; ++g) {
+            float M = -std::numeric_limits<float>::infinity();
+            for (int64_t c = c0; c < c1; ++c) M = std::max(M, part[c * stride + g]);
+            float L = 0.0f;
+            float* o = op + (bt * Hq + hk * G + g) * D;
+            std::fill(o, o + D, 0.0f);
+            for (int64_t c = c0; c < c1; ++c) {
+                const float* pc = part.data() + c * stride;
+                const float w = c1 - c0 == 1 ? 1.0f : std::exp(pc[g] - M);
+                L += w * pc[G + g];
+                const float* a = pc + 2 * G + g * D;
+                for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+            }
+            const float inv = 1.0f / L;
+            for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        }
+    }
 }
 
 // Prefill-sized calls: one item = (b, kv head, tile of Tq tokens). The tile's G*Tq query rows
@@ -378,16 +732,36 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
     });
 }
 
+
+// The live prefix [B, live, Hk, *] of a cache as float32 [B, live, Hk, D], contiguous (a copy
+// unless the cache is float32 and the prefix contiguous).
+at::Tensor kv_prefix_f32(const at::Tensor& cache, KvKind kind, int64_t live, int64_t D) {
+    const at::Tensor c = cache.narrow(1, 0, live);
+    if (kind != KvKind::Q8_0) return c.to(at::kFloat).contiguous();
+    const at::Tensor src = c.contiguous();
+    const int64_t rows = src.size(0) * live * src.size(2), rb = kv_row_bytes(kind, D);
+    at::Tensor out = at::empty({src.size(0), live, src.size(2), D}, cache.options().dtype(at::kFloat));
+    const uint8_t* sp = src.data_ptr<uint8_t>();
+    float* dp = out.data_ptr<float>();
+    for_rows(rows, D, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) kv_load_row(kind, sp + r * rb, D, dp + r * D);
+    });
+    return out;
+}
+
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::Tensor& vc_in,
                      const at::Tensor& positions, double scale) {
     check_cpu(q_in, "attention", "q");
     TORCH_CHECK(q_in.dim() == 4 && kc_in.dim() == 4 && kc_in.sizes() == vc_in.sizes(),
-                "hanzo_cpu.attention: q [B, T, Hq, D] and caches [B, S, Hk, D] expected");
-    TORCH_CHECK(kc_in.scalar_type() == q_in.scalar_type() && vc_in.scalar_type() == q_in.scalar_type(),
-                "hanzo_cpu.attention: q and caches must share a dtype");
+                "hanzo_cpu.attention: q [B, T, Hq, D] and caches [B, S, Hk, D] (q8_0: [B, S, Hk, D/32*34]) expected");
+    TORCH_CHECK(kc_in.scalar_type() == vc_in.scalar_type(), "hanzo_cpu.attention: k_cache and v_cache must share a dtype");
+    const KvKind kind = kv_kind(kc_in, "attention");
+    const auto qt = q_in.scalar_type();
+    TORCH_CHECK(qt == at::kFloat || qt == at::kHalf || qt == at::kBFloat16,
+                "hanzo_cpu.attention: q must be float32, float16 or bfloat16");
     const int64_t B = q_in.size(0), T = q_in.size(1), Hq = q_in.size(2), D = q_in.size(3);
     const int64_t S = kc_in.size(1), Hk = kc_in.size(2);
-    TORCH_CHECK(kc_in.size(0) == B && kc_in.size(3) == D && Hk > 0 && Hq % Hk == 0,
+    TORCH_CHECK(kc_in.size(0) == B && kv_fits(kind, kc_in.size(3), D) && Hk > 0 && Hq % Hk == 0,
                 "hanzo_cpu.attention: cache does not match q (B, D or GQA grouping)");
     TORCH_CHECK(positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T,
                 "hanzo_cpu.attention: positions must be [B, T]");
@@ -398,20 +772,22 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::
         TORCH_CHECK(pp[i] >= 0 && pp[i] < S, "hanzo_cpu.attention: position ", pp[i], " outside [0, ", S, ")");
         live = std::max(live, pp[i] + 1);
     }
-    // Only the live prefix [0, live) of each cache is read; in float32 (a copy only for f16/bf16).
+    // Only the live prefix [0, live) of each cache is read.
     const at::Tensor q = q_in.to(at::kFloat).contiguous();
-    at::Tensor kc = kc_in.narrow(1, 0, live), vc = vc_in.narrow(1, 0, live);
-    kc = kc.to(at::kFloat).contiguous();
-    vc = vc.to(at::kFloat).contiguous();
     at::Tensor out = at::empty({B, T, Hq, D}, q.options());
     if (B * T * Hq > 0 && D > 0) {
-        if (T >= kAttnTileMinT)
+        if (T >= kAttnTileMinT) {
+            const at::Tensor kc = kv_prefix_f32(kc_in, kind, live, D), vc = kv_prefix_f32(vc_in, kind, live, D);
             attention_tiles(q, kc, vc, out, pp, scale);
-        else
-            attention_rows(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>(), pp,
-                           B, T, Hq, Hk, D, live, static_cast<float>(scale));
+        } else {
+            // read in place (and converted row by row) at the cache's own strides: no copy of the prefix
+            const at::Tensor kc = kc_in.contiguous(), vc = vc_in.contiguous();
+            attention_decode(q.data_ptr<float>(), static_cast<const uint8_t*>(kc.data_ptr()),
+                             static_cast<const uint8_t*>(vc.data_ptr()), out.data_ptr<float>(), pp, B, T, Hq, Hk, D,
+                             S, kind, static_cast<float>(scale));
+        }
     }
-    return q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
+    return qt == at::kFloat ? out : out.to(qt);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 // AVX2/AVX-512 code generation can leak into shared inline functions (ODR safety).
 #pragma once
 #include <stdint.h>
+#ifdef __cplusplus
+#include <atomic>
+#endif
 
 #include "ggml_blocks.h"  // block structs, type ids and table slots, generated from the format registry
 
@@ -51,3 +54,9 @@ extern const int8_t* hz_tables[HZ_N_TABLES];
 // Software prefetch distance of the mat-vec weight stream, bytes (tuned, see ops.cpp).
 extern int64_t hz_prefetch_bytes;
 }
+
+#ifdef __cplusplus
+// The instruction set the registered kernels use (0 scalar, 1 avx2, 2 avx512), set by ops.cpp's
+// configure/set_isa; the fused kernels (fused.cpp) pick their loops by it.
+extern std::atomic<int64_t> hz_active_isa;
+#endif

@@ -28,6 +28,7 @@ int64_t hz_prefetch_bytes = 2048;  // 2-4 KiB measured best on Zen 3 (DRAM strea
 // the other thread's rows); measured in one process, 2 threads, Zen 3: Q4_K [8960, 1536]
 // 15.6 -> 19.3 GB/s, Q6_K [1536, 8960] 18.8 -> 22.9, model decode 13.1 -> 16.1 tok/s.
 static int64_t hz_mv_chunk_bytes = 262144, hz_mv_min_chunks = 4;
+std::atomic<int64_t> hz_active_isa{0};
 
 namespace {
 
@@ -646,13 +647,20 @@ at::Tensor swiglu_cpu(const at::Tensor& g, const at::Tensor& u) {
     return op.call(g, u);
 }
 
+// A KV cache of rows of D values: float32/bfloat16/float16 [.., D], or q8_0 blocks uint8 [.., D/32*34].
+bool kv_cache_ok(const at::Tensor& c, int64_t D) {
+    const auto d = c.scalar_type();
+    if (d == at::kByte) return D % 32 == 0 && c.size(3) == D / 32 * 34;
+    return (d == at::kFloat || d == at::kBFloat16 || d == at::kHalf) && c.size(3) == D;
+}
+
 void kv_cache_write_cpu(at::Tensor& kc, at::Tensor& vc, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos) {
     bool ok = !use_ref(KV_CACHE_WRITE) && kc.dim() == 4 && kc.sizes() == vc.sizes() && k.dim() == 4 &&
               k.sizes() == v.sizes() && kc.device().is_cpu() && vc.device().is_cpu() && k.device().is_cpu() &&
               v.device().is_cpu() && kc.is_contiguous() && vc.is_contiguous();
     if (ok)
-        ok = k.size(0) == kc.size(0) && k.size(2) == kc.size(2) && k.size(3) == kc.size(3) &&
-             k.scalar_type() == kc.scalar_type() && v.scalar_type() == vc.scalar_type() && pos.dim() == 2 &&
+        ok = k.size(0) == kc.size(0) && k.size(2) == kc.size(2) && kv_cache_ok(kc, k.size(3)) && is_act(k) &&
+             v.scalar_type() == k.scalar_type() && vc.scalar_type() == kc.scalar_type() && pos.dim() == 2 &&
              pos.size(0) == k.size(0) && pos.size(1) == k.size(1) && is_int(pos) && positions_in(pos, kc.size(1));
     if (!ok) {
         static auto ref = ref_op<KvSig>("hanzo_ref::kv_cache_write");
@@ -669,8 +677,8 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& kc, const at::Te
               kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.device().is_cpu() && vc.device().is_cpu();
     if (ok) {
         const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hk = kc.size(2);
-        ok = kc.size(0) == B && kc.size(3) == D && Hk > 0 && Hq % Hk == 0 && kc.scalar_type() == q.scalar_type() &&
-             vc.scalar_type() == q.scalar_type() && pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T &&
+        ok = kc.size(0) == B && kv_cache_ok(kc, D) && Hk > 0 && Hq % Hk == 0 && vc.scalar_type() == kc.scalar_type() &&
+             pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T &&
              is_int(pos) && positions_in(pos, kc.size(1));
     }
     if (!ok) {
@@ -715,6 +723,7 @@ void configure(py::dict qtypes, std::vector<std::string> lacking, int64_t isa, i
     }
     isa_table(isa);  // checks the level
     g_isa.store(isa);
+    hz_active_isa.store(isa);
     g_mv_max.store(mv_max);
     g_configured.store(true, std::memory_order_release);
 }
@@ -722,6 +731,7 @@ void configure(py::dict qtypes, std::vector<std::string> lacking, int64_t isa, i
 void set_isa(int64_t isa) {
     isa_table(isa);
     g_isa.store(isa);
+    hz_active_isa.store(isa);
 }
 
 // Reference mode of one op (true: every call runs torch.ops.hanzo_ref.<op>).

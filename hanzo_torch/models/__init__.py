@@ -17,6 +17,7 @@ def load(
     device: Union[str, torch.device] = "cpu",
     dtype: Optional[torch.dtype] = None,
     max_context: Optional[int] = None,
+    kv_dtype: Union[str, torch.dtype, None] = None,
 ) -> Transformer:
     """Load a GGUF model as an ``nn.Module`` with its weights kept packed.
 
@@ -32,9 +33,14 @@ def load(
         path: the ``.gguf`` file.
         device: where the weights, activations and KV cache live (packed weights are copied
             there when it is not the CPU).
-        dtype: compute dtype of activations and KV cache: float32 (default on CPU), bfloat16
-            (default elsewhere) or float16. Logits are float32 regardless.
+        dtype: compute dtype of the activations: float32 (default on CPU), bfloat16 (default
+            elsewhere) or float16. Logits are float32 regardless.
         max_context: KV cache length in tokens (default ``min(context_length, 4096)``).
+        kv_dtype: KV cache element type, llama.cpp's names: ``"f32"``, ``"f16"``, ``"bf16"`` or
+            ``"q8_0"`` (34-byte blocks of 32 values, an f16 scale and int8 codes), or a torch
+            float dtype. Default: ``"f16"`` on CPU (half the bytes of float32 that decode
+            attention reads per token), the compute ``dtype`` elsewhere. Attention converts
+            cache rows to float32; scores, softmax and P*V are float32 whatever this is.
 
     Returns:
         :class:`~hanzo_torch.models.qwen.Transformer` in eval mode; ``model(input_ids[B, T])``
@@ -44,7 +50,8 @@ def load(
     Raises:
         GGUFError: not a GGUF file, unsupported or missing architecture, missing metadata key,
             a missing or unexpected tensor, or a tensor whose shape does not match the config.
-        ValueError: bad ``max_context`` or ``dtype``.
+        ValueError: bad ``max_context``, ``dtype`` or ``kv_dtype`` (q8_0 needs a head dim that is a
+            multiple of 32).
     """
     from ..gguf_file import GGUFError, GGUFFile
 
@@ -53,6 +60,7 @@ def load(
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    kv_name = _kv_dtype_name(kv_dtype, device, dtype)
     from .. import backends
 
     backends.check_environment()
@@ -66,8 +74,11 @@ def load(
     if not isinstance(max_context, int) or max_context <= 0:
         raise ValueError(f"max_context must be a positive int, got {max_context!r}")
 
+    if kv_name == "q8_0" and args.head_dim % 32:
+        raise ValueError(f"{f.path}: kv_dtype q8_0 needs a head dim that is a multiple of 32, got {args.head_dim}")
     with torch.device("meta"):
         model = Transformer(args, max_context)
+    model.kv_dtype = kv_name
     tensors = f.tensors
     used = set()
     for name, param in list(model.named_parameters(remove_duplicate=False)):
@@ -94,6 +105,23 @@ def load(
     if device.type == "cpu":
         f.prefetch()  # embedding rows would otherwise be read from disk inside decode steps
     return model.eval()
+
+
+_KV_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def _kv_dtype_name(kv_dtype, device: torch.device, dtype: torch.dtype) -> str:
+    """``load``'s ``kv_dtype`` argument as a key of ``KV_CACHE_DTYPES``."""
+    from ..ops.fused import KV_CACHE_DTYPES
+
+    if kv_dtype is None:
+        return "f16" if device.type == "cpu" else _KV_NAMES[dtype]
+    if isinstance(kv_dtype, torch.dtype) and kv_dtype in _KV_NAMES:
+        return _KV_NAMES[kv_dtype]
+    if isinstance(kv_dtype, str) and kv_dtype in KV_CACHE_DTYPES:
+        return kv_dtype
+    raise ValueError(f"kv_dtype must be one of {', '.join(KV_CACHE_DTYPES)} or torch.float32/float16/bfloat16, "
+                     f"got {kv_dtype!r}")
 
 
 def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:

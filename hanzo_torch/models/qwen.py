@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops.fused import KV_CACHE_DTYPES, kv_cache_shape
 from ..tensor import GGUFTensor
 
 hanzo = torch.ops.hanzo
@@ -247,6 +248,7 @@ class Transformer(nn.Module):
         self.blk = nn.ModuleList(Block(args) for _ in range(args.n_layer))
         self.output_norm = Weight(args.dim)
         self.output = Linear(args.dim, args.vocab_size, bias=False)
+        self.kv_dtype: Optional[str] = None  # KV cache type (a key of KV_CACHE_DTYPES); None: self.dtype
         self.cache_batch_size = 0  # batch size the KV caches are allocated for (0: none yet)
         self.seq_len = 0  # tokens fed since reset() (host-side; None when unknown)
         self.gguf = None  # the GGUFFile the weights are mapped from (set by load)
@@ -258,26 +260,32 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Compute dtype of the activations (and KV cache)."""
+        """Compute dtype of the activations (and of the KV cache when :attr:`kv_dtype` is None)."""
         return self.token_embd.weight.dtype
 
     # ------------------------------------------------------------------ sequence state
     def setup_cache(self, batch_size: int) -> None:
         """Allocate the static KV caches ``[batch_size, max_context, Hk, D]`` (zeros) and reset.
 
-        Called by :meth:`forward` when the batch size changes at the start of a sequence; call it
-        yourself before capturing a graph so the cache address is fixed.
+        Their type is :attr:`kv_dtype` (``"f32"``, ``"f16"``, ``"bf16"``, or ``"q8_0"``: uint8
+        ``[.., D/32*34]`` blocks), or :attr:`dtype` when that is None. Called by :meth:`forward`
+        when the batch size changes at the start of a sequence; call it yourself before
+        capturing a graph so the cache address is fixed.
         """
         a = self.args
-        shape = (batch_size, self.max_context, a.n_head_kv, a.head_dim)
+        if self.kv_dtype is None:
+            shape, cache_dtype = (batch_size, self.max_context, a.n_head_kv, a.head_dim), self.dtype
+        else:
+            shape = kv_cache_shape(batch_size, self.max_context, a.n_head_kv, a.head_dim, self.kv_dtype)
+            cache_dtype = KV_CACHE_DTYPES[self.kv_dtype]
         for blk in self.blk:
             blk.k_cache = blk.v_cache = None
         # zeros, not empty: masked slots get probability 0, and 0 * NaN garbage would be NaN.
         # Normal tensors even under inference_mode, so a later no_grad call may write them.
         with torch.inference_mode(False):
             for blk in self.blk:
-                blk.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                blk.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                blk.k_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
+                blk.v_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
         self.cache_batch_size = batch_size
         self.seq_len = 0
 

@@ -28,6 +28,10 @@ __all__ = [
     "kv_cache_write_reference",
     "attention_reference",
     "ATTENTION_IMPLS",
+    "KV_CACHE_DTYPES",
+    "kv_cache_shape",
+    "kv_to_cache",
+    "kv_from_cache",
 ]
 
 ATTENTION_IMPLS = ("auto", "eager", "flash")
@@ -294,27 +298,93 @@ def _check_positions_in_range(op: str, positions: Tensor, S: int) -> None:
         _check(lo >= 0 and hi < S, op, lambda: f"positions must be in [0, {S}) (the cache length), got [{lo}, {hi}]")
 
 
+KV_CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": torch.uint8}
+"""KV cache element types by llama.cpp name (``--cache-type-k`` values) -> the cache tensor's dtype.
+
+A ``q8_0`` cache is ``uint8 [B, S, Hk, D/32*34]``: each row of D values is D/32 ggml
+``block_q8_0`` (an f16 scale ``d``, then 32 int8 codes ``q``; value ``d * q``), written with
+ggml's ``quantize_row_q8_0_ref`` rounding (the bytes of ``hanzo_torch.quantize(x, "Q8_0")``).
+A uint8 cache always means q8_0."""
+
+_Q8_0_BLOCK, _Q8_0_BYTES = 32, 34
+_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+
+
+def kv_cache_shape(B: int, S: int, Hk: int, D: int, kv_dtype: str) -> tuple[int, int, int, int]:
+    """Shape of one KV cache of ``kv_dtype`` (a key of :data:`KV_CACHE_DTYPES`) for rows of D values.
+
+    Raises:
+        ValueError: unknown ``kv_dtype``, or q8_0 with D not a multiple of 32.
+    """
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype == "q8_0":
+        if D % _Q8_0_BLOCK:
+            raise ValueError(f"kv_dtype q8_0 needs a head dim that is a multiple of 32, got {D}")
+        return (B, S, Hk, D // _Q8_0_BLOCK * _Q8_0_BYTES)
+    return (B, S, Hk, D)
+
+
+def _cache_fits(cache: Tensor, D: int) -> bool:
+    last = cache.shape[-1]
+    if cache.dtype == torch.uint8:
+        return D % _Q8_0_BLOCK == 0 and last == D // _Q8_0_BLOCK * _Q8_0_BYTES
+    return last == D
+
+
+def _check_caches(op: str, k_cache: Tensor, v_cache: Tensor) -> None:
+    _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape, op,
+           lambda: f"k_cache and v_cache must be [B, S, Hk, D] (q8_0: [B, S, Hk, D/32*34]) of one shape, got "
+                   f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _check(k_cache.dtype == v_cache.dtype and k_cache.dtype in _KV_DTYPES, op,
+           lambda: f"k_cache and v_cache must share a dtype among float32, float16, bfloat16 and uint8 (q8_0), "
+                   f"got {k_cache.dtype}, {v_cache.dtype}")
+
+
+def _cache_kind(cache: Tensor) -> str:
+    return "q8_0 (uint8)" if cache.dtype == torch.uint8 else str(cache.dtype)
+
+
 def _check_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
     op = "kv_cache_write"
-    _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape, op,
-           lambda: f"k_cache and v_cache must be [B, S, Hk, D] of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _check_caches(op, k_cache, v_cache)
     _check(k.dim() == 4 and k.shape == v.shape, op, lambda: f"k and v must be [B, T, Hk, D] of one shape, got {tuple(k.shape)}, {tuple(v.shape)}")
-    B, S, Hk, D = k_cache.shape
-    _check(k.shape[0] == B and k.shape[2:] == (Hk, D), op,
-           lambda: f"k {tuple(k.shape)} does not fit the cache {tuple(k_cache.shape)} in B, Hk or D")
-    _check(k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, op,
-           lambda: f"dtype mismatch: k {k.dtype} vs cache {k_cache.dtype}, v {v.dtype} vs cache {v_cache.dtype}")
+    _check_float(k, op, "k")
+    _check(v.dtype == k.dtype, op, lambda: f"k and v dtypes differ: {k.dtype}, {v.dtype}")
+    B, S, Hk = k_cache.shape[:3]
+    _check(k.shape[0] == B and k.shape[2] == Hk and _cache_fits(k_cache, k.shape[3]), op,
+           lambda: f"k {tuple(k.shape)} does not fit the {_cache_kind(k_cache)} cache {tuple(k_cache.shape)} in B, Hk or D")
     _check(positions.shape == k.shape[:2], op, lambda: f"positions must be [B, T] = {tuple(k.shape[:2])}, got {tuple(positions.shape)}")
     _check(not positions.is_floating_point() and positions.dtype != torch.bool, op, "positions must be integers")
 
 
+def kv_to_cache(x: Tensor, cache_dtype: torch.dtype) -> Tensor:
+    """Values ``[..., D]`` (float) as cache rows of ``cache_dtype``: rounded to f32/f16/bf16 (nearest
+    even), or quantized to q8_0 blocks ``uint8 [..., D/32*34]`` when ``cache_dtype`` is uint8."""
+    if cache_dtype != torch.uint8:
+        return x.to(cache_dtype)
+    from ..formats import quantize
+
+    return quantize(x, "Q8_0")
+
+
+def kv_from_cache(cache: Tensor, D: int) -> Tensor:
+    """Cache rows as float32 ``[..., D]`` (q8_0 blocks dequantized: ``d * q``)."""
+    if cache.dtype != torch.uint8:
+        return cache.float()
+    from ..formats import dequantize
+
+    return dequantize(cache.contiguous(), "Q8_0", (*cache.shape[:-1], D), torch.float32)
+
+
 def kv_cache_write_reference(k_cache, v_cache, k, v, positions) -> None:
-    """``k_cache[b, positions[b, t]] = k[b, t]`` (and v), in place."""
+    """``k_cache[b, positions[b, t]] = k[b, t]`` (and v), in place, converted to the cache's type
+    (:func:`kv_to_cache`)."""
     B, T = positions.shape
     b_idx = torch.arange(B, device=positions.device)[:, None].expand(B, T)
     pos = positions.long()
-    k_cache.index_put_((b_idx, pos), k)
-    v_cache.index_put_((b_idx, pos), v)
+    k_cache.index_put_((b_idx, pos), kv_to_cache(k, k_cache.dtype))
+    v_cache.index_put_((b_idx, pos), kv_to_cache(v, v_cache.dtype))
 
 
 @torch.library.custom_op("hanzo::kv_cache_write", mutates_args=("k_cache", "v_cache"))
@@ -322,8 +392,12 @@ def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, posit
     """Write new keys/values into the static KV cache at their positions, in place.
 
     Args:
-        k_cache, v_cache: ``[B, S, Hk, D]`` caches (allocated once at max context; never reallocated).
-        k, v: ``[B, T, Hk, D]`` new entries, same dtype as the caches.
+        k_cache, v_cache: ``[B, S, Hk, D]`` caches of one dtype, float32, float16 or bfloat16, or
+            q8_0 blocks ``uint8 [B, S, Hk, D/32*34]`` (:data:`KV_CACHE_DTYPES`); allocated once at
+            max context, never reallocated.
+        k, v: ``[B, T, Hk, D]`` new entries (f32/f16/bf16, one dtype, which may differ from the
+            caches'): each row is rounded to the cache's dtype (nearest even) or quantized to
+            q8_0 as ``hanzo_torch.quantize(row, "Q8_0")`` does.
         positions: integer ``[B, T]`` slots to write, each in ``[0, S)``.
 
     Raises:
@@ -346,15 +420,12 @@ def _check_attention(q, k_cache, v_cache, positions, impl) -> None:
     _check(impl in ATTENTION_IMPLS, op, lambda: f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     _check(q.dim() == 4, op, lambda: f"q must be [B, T, Hq, D], got {tuple(q.shape)}")
     _check_float(q, op, "q")
-    _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape, op,
-           lambda: f"k_cache and v_cache must be [B, S, Hk, D] of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _check_caches(op, k_cache, v_cache)
     B, T, Hq, D = q.shape
-    _check(k_cache.shape[0] == B and k_cache.shape[3] == D, op,
-           lambda: f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)} in B or D")
+    _check(k_cache.shape[0] == B and _cache_fits(k_cache, D), op,
+           lambda: f"{_cache_kind(k_cache)} cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)} in B or D")
     Hk = k_cache.shape[2]
     _check(Hk > 0 and Hq % Hk == 0, op, lambda: f"query heads {Hq} must be a multiple of KV heads {Hk}")
-    _check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, op,
-           lambda: f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
     _check(positions.shape == (B, T), op, lambda: f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
     _check(not positions.is_floating_point() and positions.dtype != torch.bool, op, "positions must be integers")
 
@@ -365,8 +436,8 @@ def _attention_eager(q, k_cache, v_cache, positions, scale):
     S, Hk = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hk
     qf = q.float().view(B, T, Hk, G, D).permute(0, 2, 3, 1, 4)
-    kf = k_cache.float().permute(0, 2, 1, 3)[:, :, None]
-    vf = v_cache.float().permute(0, 2, 1, 3)[:, :, None]
+    kf = kv_from_cache(k_cache, D).permute(0, 2, 1, 3)[:, :, None]
+    vf = kv_from_cache(v_cache, D).permute(0, 2, 1, 3)[:, :, None]
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hk, G, T, S]
     visible = torch.arange(S, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, T, S]
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
@@ -386,8 +457,8 @@ def _attention_flash(q, k_cache, v_cache, positions, scale):
     acc = torch.zeros((B, Hk, G, T, D), device=q.device)
     for s0 in range(0, S, FLASH_BLOCK):
         s1 = min(S, s0 + FLASH_BLOCK)
-        kb = k_cache[:, s0:s1].float().permute(0, 2, 1, 3)[:, :, None]
-        vb = v_cache[:, s0:s1].float().permute(0, 2, 1, 3)[:, :, None]
+        kb = kv_from_cache(k_cache[:, s0:s1], D).permute(0, 2, 1, 3)[:, :, None]
+        vb = kv_from_cache(v_cache[:, s0:s1], D).permute(0, 2, 1, 3)[:, :, None]
         sc = torch.matmul(qf, kb.transpose(-1, -2)) * scale  # [B, Hk, G, T, blk]
         visible = torch.arange(s0, s1, device=q.device)[None, None, :] <= positions[:, :, None]
         sc = sc.masked_fill(~visible[:, None, None], float("-inf"))
@@ -404,7 +475,10 @@ def _attention_flash(q, k_cache, v_cache, positions, scale):
 
 
 def attention_reference(q, k_cache, v_cache, positions, scale: float, impl: str = "auto") -> Tensor:
-    """Causal-by-position grouped-query attention, unfused torch. ``auto``: eager for f16/bf16, flash for f32."""
+    """Causal-by-position grouped-query attention, unfused torch. ``auto``: eager for f16/bf16, flash for f32.
+
+    Cache rows are converted to float32 first (:func:`kv_from_cache`); scores, softmax and P*V
+    are float32."""
     if impl == "auto":
         impl = "flash" if q.dtype == torch.float32 else "eager"
     if positions.device.type == "cpu" and positions.numel():
@@ -423,6 +497,9 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, sc
     Args:
         q: ``[B, T, Hq, D]`` queries (already rotated).
         k_cache, v_cache: ``[B, S, Hk, D]``, Hq a multiple of Hk (query head h reads KV head h // (Hq/Hk)).
+            One dtype for both, which may differ from q's: float32, float16, bfloat16, or q8_0
+            blocks ``uint8 [B, S, Hk, D/32*34]`` (:data:`KV_CACHE_DTYPES`). Rows are converted to
+            float32 (q8_0: ``d * q``) before the float32 scores, softmax and P*V.
         positions: integer ``[B, T]``: the query at position p attends to cache slots 0..p
             (slots past p are masked, whatever they hold).
         scale: score scale, usually ``1/sqrt(D)``.

@@ -11,13 +11,17 @@ Maths (float32 whatever the input dtype; one rounding to the input dtype at the 
         before the norm, as in the reference.
     qk_norm_rope: per-head RMSNorm (optional) then NEOX RoPE with the reference's float32
         ``inv_freq``/angle arithmetic.
-    attention: decode-sized calls (T < 8): per (batch, token, KV head) the G query heads of
-        that group, loops over the keys ``0..position``; prompts: per (batch, KV head, tile of
-        ~32 tokens) two float32 BLAS GEMMs (``at::mm``) over the keys up to the tile's last
-        position, masked per row at its own position. Both: exact max-subtracted softmax (not
-        online) and P*V in float32; only the live prefix ``0..max(positions)`` of the cache is
-        read (and converted, for f16/bf16 caches). ``impl`` (eager/flash) is an
-        accuracy/memory choice of the references; this kernel gives the exact softmax for all.
+    kv_cache_write: caches f32/f16/bf16 or q8_0 blocks (uint8), whatever k/v's dtype: a copy
+        when the dtypes match, else per row a rounding to nearest even or ggml's q8_0 quantizer.
+    attention: decode-sized calls (T < 8): per (batch, token, KV head, chunk of 256 keys of
+        ``0..position``) each key and value row is read and converted to float32 once for the
+        G query heads of the group; chunks run on separate threads and are merged by their
+        softmax maxima and sums (one chunk is the exact max-subtracted softmax). Prompts: per
+        (batch, KV head, tile of ~32 tokens) two float32 BLAS GEMMs (``at::mm``) over the keys
+        up to the tile's last position, masked per row at its own position, exact softmax, on
+        a float32 copy of the live prefix. P*V in float32 throughout; only the live prefix
+        ``0..max(positions)`` of the cache is read. ``impl`` (eager/flash) is an
+        accuracy/memory choice of the references; this kernel gives the same maths for all.
     moe_route: torch's float32 softmax, then top-k by a partial sort with ties to the lower
         expert index and the optional renormalization in C++.
 

@@ -59,6 +59,16 @@ def _format_args(op: str, args) -> tuple:
     return ()
 
 
+def _fits(op: str, args) -> bool:
+    """Calls the kernels were written for: attention and the KV write assume caches of the
+    activations' dtype (other cache dtypes, e.g. q8_0, run the reference)."""
+    if op == "attention":
+        return args[1].dtype == args[0].dtype
+    if op == "kv_cache_write":
+        return args[0].dtype == args[2].dtype
+    return True
+
+
 def wrap(op: str, fn, fmts: frozenset):
     """``fn`` as a dispatcher kernel: reference mode and formats without a rule go to
     ``torch.ops.hanzo_ref.<op>`` (one warning per format); otherwise the op's checks, then ``fn``."""
@@ -71,7 +81,7 @@ def wrap(op: str, fn, fmts: frozenset):
     warned: set = set()
 
     def kernel(*args):
-        if _dispatch.reference_enabled(op):
+        if _dispatch.reference_enabled(op) or not _fits(op, args):
             return ref(*args)
         for q in _format_args(op, args):
             if q.upper() not in fmts:
