@@ -120,3 +120,88 @@ def test_compile_inductor(block):
     ids = torch.tensor([2, 30, 2])
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids), block(ids), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Guard against positions frozen at trace time (the CPU twin of the CUDA-graph replay test)
+#
+# A decode step that reads its position from anything but the ``positions`` tensor (a Python int,
+# a host copy) replays a stale position once captured: with CUDA graphs every replay runs at the
+# capture's position (DESIGN section 4). torch.compile exposes the same bug on the CPU: the step
+# is compiled once with ``fullgraph=True`` (a host sync such as ``int(positions[0, 0])`` is a
+# graph break, hence an error) and recompiles are errors (a Python int position is guarded on,
+# so the next token would recompile); positions are updated in place for GUARD_TOKENS steps and
+# every compiled step must give the eager step's logits exactly (same ops, same inputs).
+
+GUARD_TOKENS = 64
+GUARD_PROMPT = 4
+
+
+@pytest.fixture(scope="module")
+def guard_files(tmp_path_factory):
+    from tests.gguf_builders import tiny_spec, tokenizer_metadata, write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("guard")
+    meta = tokenizer_metadata(full=False)
+    specs = {"qwen3": dict(layer_qtypes={0: dict(attn="Q4_K", ffn="Q5_0", ffn_down="Q6_K")}),
+             "qwen3moe": dict(layer_qtypes={0: dict(attn="Q8_0", ffn="Q4_K", ffn_down="Q6_K")})}
+    return {a: write_tiny_gguf(root / f"{a}.gguf", tiny_spec(a, **s), meta) for a, s in specs.items()}
+
+
+def compiled_decode_guard(path: str, n_tokens: int = GUARD_TOKENS) -> int:
+    """Run ``n_tokens`` decode steps compiled once (fullgraph, recompiles forbidden) against eager
+    steps of a second copy of the model; assert equal logits; return the number of compiles."""
+    import hanzo_torch
+
+    ctx = GUARD_PROMPT + n_tokens
+    eager = hanzo_torch.load(path, max_context=ctx)
+    model = hanzo_torch.load(path, max_context=ctx)
+    tokens = torch.randint(0, eager.args.vocab_size, (ctx,), generator=torch.Generator().manual_seed(3))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=counter, fullgraph=True, dynamic=False)
+    ids = torch.zeros((1, 1), dtype=torch.long)
+    pos = torch.zeros((1, 1), dtype=torch.long)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        prompt, ppos = tokens[None, :GUARD_PROMPT], torch.arange(GUARD_PROMPT)[None]
+        model.host_position = eager.host_position = 0
+        eager(prompt, positions=ppos)
+        model(prompt, positions=ppos)  # prefill stays eager
+        for t in range(GUARD_PROMPT, ctx):
+            ids.fill_(int(tokens[t]))
+            pos.fill_(t)  # in place: the compiled step must read the new value
+            model.host_position = t  # only the mutated variants below read this
+            eager.host_position = t
+            ref = eager(ids, positions=pos, last_only=True)
+            out = step(ids, positions=pos, last_only=True)
+            assert torch.equal(out, ref), (
+                f"compiled decode step differs from eager at position {t}: "
+                f"max |diff| {(out - ref).abs().max().item():.3e}")
+    return counter.frame_count
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_compiled_decode_reads_positions_on_device(guard_files, arch):
+    assert compiled_decode_guard(guard_files[arch]) == 1
+
+
+def _positions_from_python_int(self, B, T, positions):
+    # mutation: the position comes from a host-side Python int, not from the positions tensor
+    return torch.full((B, T), self.host_position, dtype=torch.long, device=self.device)
+
+
+def _positions_synced_to_host(self, B, T, positions):
+    # mutation: the position is read back to the host and rebuilt (a device sync on a GPU)
+    return torch.full((B, T), int(positions[0, 0]), dtype=torch.long, device=self.device)
+
+
+@pytest.mark.parametrize("mutation", [_positions_from_python_int, _positions_synced_to_host])
+def test_decode_guard_catches_a_baked_in_position(guard_files, monkeypatch, mutation):
+    """Both mutations give correct eager logits; the guard must reject them all the same."""
+    from hanzo_torch.models.qwen import Transformer
+
+    monkeypatch.setattr(Transformer, "_positions", mutation)
+    with pytest.raises((torch._dynamo.exc.RecompileError, torch._dynamo.exc.Unsupported,
+                        torch._dynamo.exc.UserError, AssertionError)) as info:
+        compiled_decode_guard(guard_files["qwen3moe"], n_tokens=4)
+    print(f"{mutation.__name__}: {type(info.value).__name__}: {str(info.value).splitlines()[0][:160]}")
