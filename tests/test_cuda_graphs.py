@@ -143,3 +143,11 @@ def test_decode_step_eager_on_cpu_and_layer_probe(files):
         model(torch.tensor([[1, 2, 3]]), positions=torch.arange(3)[None])
         ref = model(torch.tensor([[9]]), positions=torch.tensor([[3]]), last_only=True)
     assert torch.equal(out, ref)
+
+
+def test_cli_no_graph_flag():
+    from hanzo_torch.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["generate", "-p", "x", "--no-graph"]).no_graph is True
+    assert p.parse_args(["generate", "-p", "x"]).no_graph is False

@@ -95,15 +95,15 @@ def matvec_q8_1_reference(xq: torch.Tensor, scale: torch.Tensor, offset: torch.T
     qg = q.reshape(ng, group_len)
     idot = (code.to(torch.int64).reshape(N, ng, group_len) * qg).sum(-1)          # exact
     isum = qg.sum(-1)                                                              # exact
-    d8 = d[(torch.arange(ng) * group_len) // 32]                                   # [ng]
+    d8 = d[(torch.arange(ng, device=d.device) * group_len) // 32]                  # [ng]
     part = scale * (d8[None, :] * idot.to(torch.float32)) + offset * (d8 * isum.to(torch.float32))[None, :]
     G = tile // group_len
     n_tiles = -(-ng // G)
     part = torch.cat([part, part.new_zeros(N, n_tiles * G - ng)], dim=1).reshape(N, n_tiles, G)
-    acc = torch.zeros(N, G, dtype=torch.float32)
+    acc = torch.zeros(N, G, dtype=torch.float32, device=code.device)
     for t in range(n_tiles):
         acc = acc + part[:, t]
-    out = torch.zeros(N, dtype=torch.float32)
+    out = torch.zeros(N, dtype=torch.float32, device=code.device)
     for g in range(G):
         out = out + acc[:, g]
     return out
