@@ -309,7 +309,7 @@ def main() -> int:
         return deadline - time.monotonic()
 
     if "graph" not in skip and not args.dry_run:
-        _pytest(table, "replay", os.path.join(ROOT, "tests", "test_cuda_graphs.py"), min(left(), 150))
+        _pytest(table, "replay", os.path.join(ROOT, "tests", "test_cuda_graphs.py"), min(left(), 200))
     if "decode" not in skip:
         try:
             with tempfile.TemporaryDirectory() as d:
@@ -319,8 +319,8 @@ def main() -> int:
             table.add("decode", "model decode", "ERROR", f"{type(e).__name__}: {str(e)[:160]}")
     if "formats" not in skip:
         try:
-            # the conformance suite keeps at least 120 s
-            formats_bench(table, device, formats, N, K, M, deadline - (0 if args.dry_run else 120), reps)
+            # the conformance suite keeps at least 180 s
+            formats_bench(table, device, formats, N, K, M, deadline - (0 if args.dry_run else 180), reps)
         except Exception as e:
             traceback.print_exc()
             table.add("matvec", "formats", "ERROR", f"{type(e).__name__}: {str(e)[:160]}")

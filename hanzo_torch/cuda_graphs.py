@@ -68,18 +68,20 @@ class CapturedDecode:
         self.input_ids = input_ids
         self.positions = positions
         self.graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(device=input_ids.device)
-        side.wait_stream(torch.cuda.current_stream(input_ids.device))
-        with torch.cuda.stream(side):  # warm-up off the default stream, as torch's graph docs do it
-            for _ in range(max(1, warmup)):
-                model(input_ids, positions=positions, **kwargs)
-        torch.cuda.current_stream(input_ids.device).wait_stream(side)
-        with torch.cuda.graph(self.graph):
-            self.logits = model(input_ids, positions=positions, **kwargs)
+        with torch.cuda.device(input_ids.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the default stream, as torch's graph docs do it
+                for _ in range(max(1, warmup)):
+                    model(input_ids, positions=positions, **kwargs)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(self.graph):
+                self.logits = model(input_ids, positions=positions, **kwargs)
 
     def replay(self) -> torch.Tensor:
         """Run the captured step; returns the static logits buffer (overwritten by the next replay)."""
-        self.graph.replay()
+        with torch.cuda.device(self.input_ids.device):
+            self.graph.replay()
         return self.logits
 
 
