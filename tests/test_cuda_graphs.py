@@ -151,3 +151,43 @@ def test_cli_no_graph_flag():
     p = build_parser()
     assert p.parse_args(["generate", "-p", "x", "--no-graph"]).no_graph is True
     assert p.parse_args(["generate", "-p", "x"]).no_graph is False
+
+
+def test_decode_step_capture_cache_and_fallback(files, monkeypatch):
+    """DecodeStep's bookkeeping with a stand-in for the capture (no device needed): one capture per
+    batch size and KV cache, reused by later steps and generate calls, a new one after the cache
+    is reallocated, and an eager fallback with a warning when capture raises."""
+    import hanzo_torch.cuda_graphs as cg
+
+    captures = []
+
+    class FakeCapture:
+        def __init__(self, model, input_ids, positions, kwargs):
+            captures.append(self)
+            self.model, self.input_ids, self.positions, self.kwargs = model, input_ids, positions, kwargs
+
+        def replay(self):
+            return self.model(self.input_ids, positions=self.positions, **self.kwargs)
+
+    monkeypatch.setattr(cg, "graphs_supported", lambda device: True)
+    monkeypatch.setattr(cg, "CapturedDecode", FakeCapture)
+    model = hanzo_torch.load(files["qwen3"], max_context=64)
+    a = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True)
+    assert a.stats.cuda_graph and len(captures) == 1
+    b = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True)
+    assert b.stats.cuda_graph and len(captures) == 1 and a.token_ids == b.token_ids  # reused
+    ref = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True, cuda_graph=False)
+    assert not ref.stats.cuda_graph and ref.token_ids == a.token_ids
+    model.setup_cache(1)  # new KV cache buffers: the old capture no longer applies
+    model.generate([5, 6, 7], 3, temperature=0, ignore_eos=True)
+    assert len(captures) == 2
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cg, "CapturedDecode", broken)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    cg.clear_graphs(model)
+    with pytest.warns(RuntimeWarning, match="capture failed.*not permitted"):
+        c = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True)
+    assert not c.stats.cuda_graph and c.token_ids == a.token_ids
