@@ -26,9 +26,10 @@ PROMPT = 8
 # K-quant / legacy formats on the packed layers, as in the real Qwen files
 SPECS = {
     "qwen3": dict(tied=False, qtypes=dict(embd="Q8_0", output="Q6_K", attn="Q4_K", ffn="Q4_K", ffn_down="Q6_K")),
-    "qwen3moe": dict(qtypes=dict(attn="Q8_0", ffn="Q4_K", ffn_down="Q6_K")),
+    "qwen3moe": dict(qtypes=dict(embd="Q8_0", attn="Q8_0", ffn="Q4_K", ffn_down="Q6_K")),
     "qwen2": dict(qtypes=dict(embd="Q4_K", attn="Q4_K", ffn="Q4_K", ffn_down="Q6_K")),
 }
+VOCAB = 4096  # the first tokens of the Qwen vocabulary: a small LM head keeps the CPU cases fast
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
 
@@ -37,7 +38,19 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("graph_models")
     meta = tokenizer_metadata(full=False)
+    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"][:VOCAB]
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id"):
+        meta[key] = VOCAB - 1
     return {a: write_tiny_gguf(root / f"{a}.gguf", tiny_spec(a, **s), meta) for a, s in SPECS.items()}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one CPU thread is much faster than two on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _layer_report(eager_probe, graph_probe) -> str:
@@ -191,3 +204,27 @@ def test_decode_step_capture_cache_and_fallback(files, monkeypatch):
     with pytest.warns(RuntimeWarning, match="capture failed.*not permitted"):
         c = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True)
     assert not c.stats.cuda_graph and c.token_ids == a.token_ids
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_replay_probe_on_cpu_catches_a_frozen_position(files, monkeypatch, frozen):
+    """The GPU test's comparison run on the CPU with a stand-in capture. A faithful replay gives
+    diff 0; a "capture" that freezes the position at its warm-up value (the MoE bug of DESIGN
+    section 4) is reported with the per-layer diff."""
+    import hanzo_torch.cuda_graphs as cg
+
+    class FakeCapture:
+        def __init__(self, model, input_ids, positions, kwargs):
+            self.model, self.input_ids, self.kwargs = model, input_ids, kwargs
+            self.positions = positions.clone() if frozen else positions
+
+        def replay(self):
+            return self.model(self.input_ids, positions=self.positions, **self.kwargs)
+
+    monkeypatch.setattr(cg, "graphs_supported", lambda device: True)
+    monkeypatch.setattr(cg, "CapturedDecode", FakeCapture)
+    worst, report = replay_vs_eager(files["qwen3moe"], 12, device="cpu")
+    if frozen:
+        assert worst > 1e-3 and "first difference at position" in report and "layer 1:" in report
+    else:
+        assert worst == 0.0 and report == ""
