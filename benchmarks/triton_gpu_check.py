@@ -194,6 +194,10 @@ def aot_check(formats, targets=("cuda:90", "hip:gfx942")) -> int:
                      dict(x="*bf16", w="*u8", y="*bf16", tab="*fp32", ids="*i64", N="i32", K="i32", rb="i32",
                           x_div="i32", n_experts="i32", GL=F.GROUP_LEN[fmt], INDEXED=True, BN=q.GROUPED_BN,
                           BK=q.GROUPED_BK, **fa), {"num_warps": q.MATVEC_WARPS})
+                comp(target, f"matvec-q8 {fmt}", q._matvec_q8_kernel,
+                     dict(xq="*u8", w="*u8", y="*bf16", tab="*fp32", ids="*i64", N="i32", K="i32", rb="i32",
+                          x_div="i32", n_experts="i32", GL=F.GROUP_LEN[fmt], INDEXED=True, BN=q.Q8_BN,
+                          BK=q.Q8_BK, **fa), {"num_warps": q.MATVEC_WARPS, "enable_fp_fusion": False})
             for grouped in (False, True):
                 comp(target, f"gemm {fmt} grouped={grouped}", q._gemm_kernel,
                      dict(x="*bf16", w="*u8", y="*bf16", tab="*fp32", rows_idx="*i64", tile_expert="*i64",

@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", metavar="TEXT", help="system message (implies --chat)")
     g.add_argument("--no-think", action="store_true", help="chat template enable_thinking=False (Qwen3)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+    g.add_argument("--no-graph", action="store_true",
+                   help="decode eagerly on CUDA/HIP (default: replay a captured decode graph)")
     g.add_argument("-q", "--quiet", action="store_true", help="no stats on stderr")
 
     p = sub.add_parser("pull", help="download the default model into the cache")
@@ -199,7 +201,8 @@ def cmd_generate(args) -> int:
     stream = model.generate(prompt, max_new_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
                             repeat_last_n=args.repeat_last_n, seed=args.seed, stop=args.stop or None,
-                            ignore_eos=args.ignore_eos, stream=True, tokenizer=tok, **kw)
+                            ignore_eos=args.ignore_eos, stream=True, tokenizer=tok,
+                            cuda_graph=not args.no_graph, **kw)
     out = sys.stdout
     for piece in stream:
         out.write(piece)

@@ -7,7 +7,9 @@ the tokens' keys/values to its KV cache, ``model.reset()`` to start a new sequen
 ``last_only`` keyword on ``forward``.
 
 The prompt is prefilled in one forward; each new token is then fed alone with its position in a
-preallocated ``[1, 1]`` device tensor (written in place, so a captured decode graph sees it).
+preallocated ``[1, 1]`` device tensor (written in place). On CUDA/HIP the decode step is captured
+once into a graph and replayed per token (:mod:`hanzo_torch.cuda_graphs`; ``cuda_graph=False``
+turns it off); the prefill always runs eagerly.
 Sampling runs on the CPU in float32 with its own ``torch.Generator``, so a seed gives the same
 tokens whatever the model's device, and the global RNG is untouched.
 
@@ -65,6 +67,7 @@ class GenerationStats:
     decode_s: float = 0.0
     stop_reason: Optional[str] = None  # "eos", "stop", "length", "context"
     seed: Optional[int] = None
+    cuda_graph: bool = False  # decode steps replayed a captured CUDA/HIP graph
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -272,7 +275,8 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
              repeat_last_n: int = DEFAULT_REPEAT_LAST_N, seed: Optional[int] = None,
              stop: Union[str, Sequence[str], None] = None, stream: bool = False, ignore_eos: bool = False,
              tokenizer: Any = None, skip_special_tokens: bool = True,
-             add_generation_prompt: bool = True, **template_kwargs: Any) -> Union[GenerationResult, TextStream]:
+             add_generation_prompt: bool = True, cuda_graph: bool = True,
+             **template_kwargs: Any) -> Union[GenerationResult, TextStream]:
     """Generate a continuation of a prompt with ``model``.
 
     Args:
@@ -296,6 +300,9 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
         tokenizer: overrides ``model.tokenizer`` (needed for text prompts, text output and stop
             strings).
         skip_special_tokens: leave control tokens out of the text.
+        cuda_graph: on a CUDA/HIP model, capture the decode step into a graph once (per batch
+            size and KV cache) and replay it for every token; ignored on other devices. If the
+            capture fails, a RuntimeWarning says why and decode runs eagerly.
 
     Returns:
         :class:`GenerationResult`, or a :class:`TextStream` when ``stream``.
@@ -339,7 +346,7 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
     stats = GenerationStats(prompt_tokens=len(prompt_ids), seed=seed)
     result_box: list[GenerationResult] = []
     gen = _run(model, prompt_ids, int(max_new_tokens), params, seed, stops, tokenizer, ignore_eos,
-               skip_special_tokens, max_context, stats, result_box)
+               skip_special_tokens, max_context, stats, result_box, cuda_graph)
     if stream:
         if tokenizer is None:
             raise ValueError("stream=True needs a tokenizer (model.tokenizer or tokenizer=)")
@@ -377,7 +384,9 @@ def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, tem
 
 
 def _run(model, prompt_ids, max_new_tokens, params, seed, stops, tokenizer, ignore_eos, skip_special,
-         max_context, stats: GenerationStats, result_box: list) -> Iterator[str]:
+         max_context, stats: GenerationStats, result_box: list, cuda_graph: bool = True) -> Iterator[str]:
+    from .cuda_graphs import DecodeStep
+
     device = _model_device(model)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     eos_ids = frozenset() if ignore_eos or tokenizer is None else frozenset(tokenizer.eos_token_ids)
@@ -411,8 +420,7 @@ def _run(model, prompt_ids, max_new_tokens, params, seed, stops, tokenizer, igno
         token = sample_next(logits, params, generator, history)
         stats.prefill_s = time.perf_counter() - t0
 
-        ids_buf = torch.zeros((1, 1), dtype=torch.long, device=device)
-        pos_buf = torch.zeros((1, 1), dtype=torch.long, device=device)
+        step = DecodeStep(model, 1, device, cuda_graph, **kwargs)  # [1, 1] id/position buffers
         while True:
             if token in eos_ids:
                 stop_reason = "eos"
@@ -440,10 +448,11 @@ def _run(model, prompt_ids, max_new_tokens, params, seed, stops, tokenizer, igno
                 stop_reason = "context" if context_bound else "length"
                 break
             t1 = time.perf_counter()
-            ids_buf.fill_(token)
-            pos_buf.fill_(len(prompt_ids) + len(out_ids) - 1)
-            logits = model(ids_buf, positions=pos_buf, **kwargs)[0, -1]
+            step.input_ids.fill_(token)
+            step.positions.fill_(len(prompt_ids) + len(out_ids) - 1)
+            logits = step()[0, -1]
             token = sample_next(logits, params, generator, history)  # waits for the device
+            stats.cuda_graph = step.graphed
             stats.decode_s += time.perf_counter() - t1
             stats.decode_steps += 1
     if decoder is not None and stop_reason != "stop":

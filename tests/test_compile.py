@@ -120,3 +120,120 @@ def test_compile_inductor(block):
     ids = torch.tensor([2, 30, 2])
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids), block(ids), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Guard against positions frozen at trace time (the CPU twin of the CUDA-graph replay test)
+#
+# A decode step that reads its position from anything but the ``positions`` tensor (a Python int,
+# a host copy) replays a stale position once captured: with CUDA graphs every replay runs at the
+# capture's position (DESIGN section 4). torch.compile exposes the same bug on the CPU: the step
+# is compiled once with ``fullgraph=True`` (a host sync such as ``int(positions[0, 0])`` is a
+# graph break, hence an error) and recompiles are errors (a Python int position is guarded on,
+# so the next token would recompile); positions are updated in place for GUARD_TOKENS steps and
+# every compiled step must give the eager step's logits exactly (same ops, same inputs).
+
+GUARD_TOKENS = 64
+GUARD_PROMPT = 4
+
+
+@pytest.fixture(scope="module")
+def guard_files(tmp_path_factory):
+    from tests.gguf_builders import tiny_spec, tokenizer_metadata, write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("guard")
+    meta = tokenizer_metadata(full=False)
+    # a 1024-token vocabulary keeps the LM head small (the step time is what the 64 tokens cost)
+    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"][:1024]
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id"):
+        meta[key] = 1023
+    packed = dict(embd="Q8_0", attn="Q4_K", ffn="Q4_K", ffn_down="Q6_K")
+    specs = {"qwen3": dict(qtypes=packed), "qwen3moe": dict(qtypes=packed)}
+    return {a: write_tiny_gguf(root / f"{a}.gguf", tiny_spec(a, **s), meta) for a, s in specs.items()}
+
+
+def compiled_decode_guard(path: str, n_tokens: int = GUARD_TOKENS) -> int:
+    """Run ``n_tokens`` decode steps compiled once (fullgraph, recompiles forbidden) against eager
+    steps of a second copy of the model; assert equal logits; return the number of compiles."""
+    import hanzo_torch
+
+    ctx = GUARD_PROMPT + n_tokens
+    eager = hanzo_torch.load(path, max_context=ctx)
+    model = hanzo_torch.load(path, max_context=ctx)
+    tokens = torch.randint(0, eager.args.vocab_size, (ctx,), generator=torch.Generator().manual_seed(3))
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend(aot_autograd(fw_compiler=keep))
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=counter, fullgraph=True, dynamic=False)
+    ids = torch.zeros((1, 1), dtype=torch.long)
+    pos = torch.zeros((1, 1), dtype=torch.long)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: one thread is ~15x faster than two on a busy 2-core machine
+    try:
+        _guard_steps(eager, model, step, tokens, ids, pos, ctx)
+    finally:
+        torch.set_num_threads(threads)
+    # no host sync: a value read back to the host shows up as _local_scalar_dense (.item())
+    for gm in graphs:
+        assert "_local_scalar_dense" not in gm.code, "the compiled decode step reads a tensor value on the host"
+    return counter.frame_count
+
+
+def _guard_steps(eager, model, step, tokens, ids, pos, ctx):
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        prompt, ppos = tokens[None, :GUARD_PROMPT], torch.arange(GUARD_PROMPT)[None]
+        model.host_position = eager.host_position = 0
+        eager(prompt, positions=ppos)
+        model(prompt, positions=ppos)  # prefill stays eager
+        for t in range(GUARD_PROMPT, ctx):
+            ids.fill_(int(tokens[t]))
+            pos.fill_(t)  # in place: the compiled step must read the new value
+            model.host_position = t  # only the mutated variants below read this
+            eager.host_position = t
+            ref = eager(ids, positions=pos, last_only=True)
+            out = step(ids, positions=pos, last_only=True)
+            assert torch.equal(out, ref), (
+                f"compiled decode step differs from eager at position {t}: "
+                f"max |diff| {(out - ref).abs().max().item():.3e}")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_compiled_decode_reads_positions_on_device(guard_files, arch):
+    assert compiled_decode_guard(guard_files[arch]) == 1
+
+
+_ORIGINAL_POSITIONS = None
+
+
+def _positions_from_python_int(self, B, T, positions):
+    # mutation: the position comes from a host-side Python int, not from the positions tensor
+    _ORIGINAL_POSITIONS(self, B, T, positions)  # cache allocation and checks, as before
+    return torch.arange(T, device=self.device).expand(B, T) + self.host_position
+
+
+def _positions_synced_to_host(self, B, T, positions):
+    # mutation: the position is read back to the host and rebuilt (a device sync on a GPU)
+    positions = _ORIGINAL_POSITIONS(self, B, T, positions)
+    return torch.arange(T, device=self.device).expand(B, T) + int(positions[0, 0])
+
+
+@pytest.mark.parametrize("mutation,caught_by", [
+    (_positions_from_python_int, "Recompil"),  # guarded on the int: the next token recompiles
+    (_positions_synced_to_host, "reads a tensor value on the host"),  # .item() in the graph
+])
+def test_decode_guard_catches_a_baked_in_position(guard_files, monkeypatch, mutation, caught_by):
+    """Both mutations give correct eager logits; the guard must reject them all the same."""
+    from hanzo_torch.models.qwen import Transformer
+
+    monkeypatch.setitem(globals(), "_ORIGINAL_POSITIONS", Transformer._positions)
+    monkeypatch.setattr(Transformer, "_positions", mutation)
+    with pytest.raises((torch._dynamo.exc.RecompileError, torch._dynamo.exc.Unsupported,
+                        torch._dynamo.exc.UserError, torch._dynamo.exc.BackendCompilerFailed,
+                        AssertionError)) as info:
+        compiled_decode_guard(guard_files["qwen3moe"], n_tokens=4)
+    assert caught_by in f"{type(info.value).__name__}: {info.value}"

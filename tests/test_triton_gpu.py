@@ -49,6 +49,12 @@ def tk():
     return type("TK", (), dict(formats=formats, quant=quant, fused=fused))
 
 
+@pytest.fixture(autouse=True)
+def f32_decode(monkeypatch):
+    """The float32 decode path unless a test asks for int8 (the tolerances below are float32's)."""
+    monkeypatch.setenv("HANZO_TRITON_DECODE", "f32")
+
+
 def _bits_equal(a, b) -> bool:
     a, b = a.float().contiguous(), b.float().contiguous()
     return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
@@ -133,6 +139,30 @@ def test_mul_mat_id(tk, qtype, T):
     per_expert = torch.einsum("tk,enk->etn", x.double().abs(), wf.double().abs())  # [E, T, N]
     bound = per_expert[ids, torch.arange(T, device=DEV)[:, None]]                    # [T, k, N]
     _within(y, ref, bound, 2 ** -7, f"mul_mat_id {qtype} T={T}")
+
+
+def _grouped_formats():
+    try:
+        from hanzo_torch.backends.triton.formats import GROUP_LEN
+    except ImportError:
+        return ()
+    return tuple(q for q in GROUP_LEN if q in ALL_FORMATS)
+
+
+@pytest.mark.parametrize("qtype", _grouped_formats())
+def test_int8_decode_bit_exact(tk, qtype, monkeypatch):
+    """The int8 (q8_1) decode mat-vec, compiled, equals the integer reference bit for bit
+    (the kernel runs without FMA contraction; the reference does the same float32 steps)."""
+    from hanzo_torch.backends.triton._testing import matvec_q8_1_reference, random_packed
+
+    monkeypatch.setenv("HANZO_TRITON_DECODE", "int8")
+    N, K = 512, BIG
+    w = random_packed(qtype, (N, K), seed=3).to(DEV)
+    x = torch.randn(1, K, device=DEV)
+    y = tk.quant.mul_mat(x, w, qtype)
+    ref = matvec_q8_1_reference(tk.quant.quantize_q8_1(x)[0], *tk.quant.group_decompose(w, qtype),
+                                tk.formats.GROUP_LEN[qtype])
+    assert torch.equal(y[0], ref), f"{qtype}: max |diff| {(y[0] - ref).abs().max().item():.3e}"
 
 
 def test_get_rows_and_quantize_q8_1(tk):

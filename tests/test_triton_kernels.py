@@ -33,7 +33,8 @@ pytest.importorskip("triton")
 import hanzo_torch  # noqa: E402
 from hanzo_torch.ops import fused as ref_fused  # noqa: E402
 from hanzo_torch.ops import quant as ref_quant  # noqa: E402
-from hanzo_torch.backends.triton._testing import gguf_dequantize, matmul_bound, random_packed  # noqa: E402
+from hanzo_torch.backends.triton._testing import (  # noqa: E402
+    gguf_dequantize, matmul_bound, matvec_q8_1_reference, random_packed)
 
 # The formats of the real Qwen GGUFs plus the dense ones: checked in more configurations.
 QWEN_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "F16", "BF16", "F32")
@@ -89,6 +90,12 @@ def tk():
 
     assert isinstance(quant._dequantize_kernel, InterpretedFunction), "TRITON_INTERPRET=1 was not in effect"
     return types.SimpleNamespace(formats=formats, quant=quant, fused=fused, ffn=ffn, backend=backend)
+
+
+@pytest.fixture(autouse=True)
+def f32_decode(monkeypatch):
+    """The float32 decode path unless a test asks for int8 (its tolerance is the float32 one)."""
+    monkeypatch.setenv("HANZO_TRITON_DECODE", "f32")
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -284,6 +291,99 @@ def test_group_by_expert_layout(tk):
     assert n_tiles == 4 + 3 and rows.shape == (n_tiles * 2,)
     assert tile_e.tolist()[:4] == [0, 2, 2, 3] and all(e == 3 for e in tile_e.tolist()[4:])
     assert rows.tolist()[:6] == [1, 5, 0, 2, 3, -1]
+
+
+# ------------------------------------------------------------------------------- int8 decode
+
+# one format per grouped-rule shape: GL 32/16/8, offsets (Q4_K, IQ1_M), centred codes (Q6_K),
+# codebooks and signs (IQ2_XXS), the e8m0 scale and value table (MXFP4); the interpreter is slow,
+# so more formats run with -m slow
+INT8_FORMATS = ("Q4_K", "Q6_K", "IQ2_XXS", "IQ1_M", "MXFP4") + tuple(
+    pytest.param(q, marks=pytest.mark.slow) for q in ("Q8_0", "Q4_1", "IQ4_XS", "IQ3_S", "Q2_K"))
+
+
+@pytest.mark.parametrize("qtype", INT8_FORMATS)
+def test_group_decompose_rebuilds_the_weights(tk, qtype):
+    w = random_packed(qtype, (2, 256), seed=2)
+    scale, off, code = tk.quant.group_decompose(w, qtype)
+    gl = tk.formats.GROUP_LEN[qtype]
+    rebuilt = (scale.repeat_interleave(gl, 1) * code + off.repeat_interleave(gl, 1))
+    assert torch.equal(code, code.round()) and -128 <= code.min() and code.max() <= 127  # int8
+    torch.testing.assert_close(rebuilt, gguf_dequantize(w, qtype).reshape(2, 256), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("qtype", INT8_FORMATS)
+def test_int8_decode_bit_exact_vs_integer_reference(tk, qtype, monkeypatch):
+    monkeypatch.setenv("HANZO_TRITON_DECODE", "int8")
+    N, K = 8, 512  # one row tile, two K tiles
+    w = random_packed(qtype, (N, K), seed=4)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, K, generator=g)
+    x[0, 64:96] = 0.0  # an all-zero q8_1 block (d = 0)
+    y = tk.quant.mul_mat(x, w, qtype)
+    scale, off, code = tk.quant.group_decompose(w, qtype)
+    ref = matvec_q8_1_reference(tk.quant.quantize_q8_1(x)[0], scale, off, code, tk.formats.GROUP_LEN[qtype])
+    assert torch.equal(y[0], ref), f"{qtype}: max |diff| {(y[0] - ref).abs().max().item():.3e}"
+    # against the float reference: the only error is the q8_1 rounding of x (|dx| <= d8 / 2)
+    blk = x.reshape(-1, 32).abs().amax(1, keepdim=True).expand(-1, 32).reshape(1, K) / 127 / 2
+    wf = gguf_dequantize(w, qtype).reshape(N, K)
+    bound = blk.double() @ wf.double().abs().t() + 1e-5 * matmul_bound(x, wf)
+    err = (y.double() - ref_quant.mul_mat_reference(x, w, qtype).double()).abs()
+    assert (err <= bound * 1.01).all(), f"{qtype}: error {err.max().item():.3e} over the q8_1 bound"
+
+
+def test_int8_decode_mul_mat_id_and_bf16(tk, monkeypatch):
+    monkeypatch.setenv("HANZO_TRITON_DECODE", "int8")
+    qtype, E, N, K = "IQ4_NL", 3, 8, 64
+    w = random_packed(qtype, (E, N, K), seed=6)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 2, K, generator=g)
+    ids = torch.tensor([[2, 0], [2, 7]])  # 7: out of range -> NaN row
+    y = tk.quant.mul_mat_id(x, w, ids, qtype)
+    xq = tk.quant.quantize_q8_1(x)
+    gl = tk.formats.GROUP_LEN[qtype]
+    for t in range(2):
+        for j in range(2):
+            e = int(ids[t, j])
+            if e >= E:
+                assert y[t, j].isnan().all()
+                continue
+            ref = matvec_q8_1_reference(xq[t, j], *tk.quant.group_decompose(w[e], qtype), gl)
+            assert torch.equal(y[t, j], ref), (t, j)
+    xb = x[0, :1].to(torch.bfloat16)  # bf16 activations: quantized from their values, bf16 out
+    yb = tk.quant.mul_mat(xb, w[1], qtype)
+    ref = matvec_q8_1_reference(tk.quant.quantize_q8_1(xb)[0], *tk.quant.group_decompose(w[1], qtype), gl)
+    # (the interpreter's float32 -> bfloat16 cast truncates: one bf16 ulp)
+    assert yb.dtype == torch.bfloat16
+    assert ((yb[0].float() - ref).abs() <= ref.abs() * 2.0 ** -7).all()
+
+
+def test_decode_path_table(tk, monkeypatch):
+    monkeypatch.delenv("HANZO_TRITON_DECODE")
+    for name in tk.formats.GROUP_LEN:
+        assert tk.quant.DECODE_PATH[name] in ("int8", "f32"), name
+        assert tk.quant._decode_int8(name) == (tk.quant.DECODE_PATH[name] == "int8")
+    assert not tk.quant._decode_int8("F16")  # dense formats: no grouped rule, f32 path
+    calls = []
+    real = tk.quant._matvec_q8_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(tk.quant, "_matvec_q8_kernel", Spy())
+    w = random_packed("Q4_K", (8, 256), seed=1)
+    x = torch.randn(1, 256)
+    monkeypatch.setitem(tk.quant.DECODE_PATH, "Q4_K", "f32")
+    tk.quant.mul_mat(x, w, "Q4_K")
+    assert not calls
+    monkeypatch.setitem(tk.quant.DECODE_PATH, "Q4_K", "int8")
+    tk.quant.mul_mat(x, w, "Q4_K")
+    assert len(calls) == 1
+    monkeypatch.setenv("HANZO_TRITON_DECODE", "f32")  # the A/B override wins over the table
+    tk.quant.mul_mat(x, w, "Q4_K")
+    assert len(calls) == 1
 
 
 # ------------------------------------------------------------------------------- quantize_q8_1

@@ -100,3 +100,41 @@ def gguf_dequantize(packed: torch.Tensor, qtype: str) -> torch.Tensor:
 def matmul_bound(x: torch.Tensor, w_f32: torch.Tensor) -> torch.Tensor:
     """``|x| @ |W|^T`` in float64: the scale of the rounding error of ``x @ W^T`` (per output)."""
     return x.double().abs().reshape(-1, x.shape[-1]) @ w_f32.double().abs().reshape(-1, w_f32.shape[-1]).t()
+
+
+def matvec_q8_1_reference(xq: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, code: torch.Tensor,
+                          group_len: int, tile: int = 256) -> torch.Tensor:
+    """Integer reference of the int8 decode mat-vec (``quant._matvec_q8_kernel``), in torch.
+
+    Args:
+        xq: ``uint8 [K/32*36]``, one q8_1 activation row (fp16 d, fp16 d*sum, 32 int8 q per block).
+        scale, offset: float32 ``[N, K/GL]``; code: float32 ``[N, K]`` (integer values), the
+            weight's grouped form (``quant.group_decompose``).
+        group_len: GL; tile: the kernel's K tile (BK), which fixes the summation order.
+    Returns:
+        float32 ``[N]``: per group ``scale * (d8 * dot(code, q)) + offset * (d8 * sum(q))`` with
+        the dot and sum in exact integer arithmetic, accumulated per group lane in K order and
+        the lanes added in order, each step a float32 operation as in the kernel.
+    """
+    N, K = code.shape
+    nb = K // 32
+    blocks = xq.reshape(nb, 36)
+    d = blocks[:, :2].contiguous().view(torch.float16).float().reshape(nb)       # [nb]
+    q = blocks[:, 4:].contiguous().view(torch.int8).to(torch.int64).reshape(K)   # [K]
+    ng = K // group_len
+    assert torch.equal(code, code.round()), "codes must be integers"
+    qg = q.reshape(ng, group_len)
+    idot = (code.to(torch.int64).reshape(N, ng, group_len) * qg).sum(-1)          # exact
+    isum = qg.sum(-1)                                                              # exact
+    d8 = d[(torch.arange(ng, device=d.device) * group_len) // 32]                  # [ng]
+    part = scale * (d8[None, :] * idot.to(torch.float32)) + offset * (d8 * isum.to(torch.float32))[None, :]
+    G = tile // group_len
+    n_tiles = -(-ng // G)
+    part = torch.cat([part, part.new_zeros(N, n_tiles * G - ng)], dim=1).reshape(N, n_tiles, G)
+    acc = torch.zeros(N, G, dtype=torch.float32, device=code.device)
+    for t in range(n_tiles):
+        acc = acc + part[:, t]
+    out = torch.zeros(N, dtype=torch.float32, device=code.device)
+    for g in range(G):
+        out = out + acc[:, g]
+    return out

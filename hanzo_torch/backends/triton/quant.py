@@ -16,6 +16,7 @@ Contractions (``docs/DESIGN.md`` section 5):
   cost -22% in a bandwidth-bound kernel). The next step, an int8 dot against q8_1, must
   quantize the activation once per op with :func:`quantize_q8_1` and pass the q8_1 rows in;
   the grouped form is already its shape (scale * dot(code, q) * d8 + offset * s8).
+  That path is :func:`_matvec_q8_kernel`, chosen per format by :data:`DECODE_PATH`.
 - prefill GEMM: 2-D tiles, weight tile unpacked to the activation's dtype (bf16/f16 on tensor
   cores, f32 in IEEE) and fed to ``tl.dot``; each weight tile is decoded once per BM rows of
   activations (the naive tensor-core prefill that re-decoded per tiny tile was 0.26x of int8).
@@ -220,6 +221,87 @@ def _matvec_grouped_kernel(x, w, y, tab, ids, N, K, rb, x_div, n_experts,
 
 
 @triton.jit
+def _matvec_q8_kernel(xq, w, y, tab, ids, N, K, rb, x_div, n_experts,
+                      FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, GL: tl.constexpr,
+                      INDEXED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # Decode (one activation row) with integer dot products against the q8_1 activation xq
+    # ([rows, K/32 * 36] bytes, quantized once per op by the wrapper). Per group of GL values:
+    #   sum_j w_j x_j = scale * d8 * dot(code, q) + offset * d8 * sum(q)
+    # (the offset term of Q4_1/Q5_1/Q2_K/Q4_K/Q5_K/IQ1 through the integer sum of q, never a
+    # per-value float add). code and q are small integers, the dot and sum are exact in int32.
+    # Per-group float terms are accumulated per (row, group lane) in K order and the G lanes
+    # are added in lane order at the end, so the result is fixed by the inputs
+    # (tests: integer reference matvec_q8_1_reference; launched without FMA contraction).
+    G: tl.constexpr = BK // GL
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < N
+    xrb = (K // 32) * 36
+    if INDEXED:
+        s = tl.program_id(1).to(tl.int64)
+        e = tl.load(ids + s).to(tl.int64)
+        ok = (e >= 0) & (e < n_experts)
+        nm = n < tl.where(ok, N, 0)
+        w = w + tl.where(ok, e, 0) * N * rb
+        xq = xq + (s // x_div) * xrb
+        y = y + s * N
+    rows = w + n.to(tl.int64) * rb                                   # [BN]
+    gi = tl.arange(0, G)
+    li = tl.arange(0, GL)
+    acc = tl.zeros((BN, G), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kg = k0 + gi * GL                                            # [G] first column of each group
+        gm = kg < K
+        bp = rows[:, None, None] + ((kg // QK) * TS)[None, :, None]  # [BN, G, 1]
+        jg = (kg % QK)[None, :, None]
+        m3 = nm[:, None, None] & gm[None, :, None]
+        scale, off, aux = group_params(bp, jg // GL, m3, tab, FMT)   # [BN, G, 1]
+        code = group_code(bp, jg + li[None, None, :], m3, tab, aux, FMT).to(tl.int32)  # [BN, G, GL]
+        xb = xq + (kg // 32) * 36                                    # [G] q8_1 block of each group
+        d8 = _f16_le(xb, gm)                                         # [G]
+        q = tl.load(xb[:, None] + 4 + (kg % 32)[:, None] + li[None, :], mask=gm[:, None],
+                    other=0).to(tl.int8, bitcast=True).to(tl.int32)  # [G, GL]
+        idot = tl.sum(code * q[None, :, :], axis=2)                  # [BN, G] exact
+        isum = tl.sum(q, axis=1)                                     # [G] exact
+        t_dot = tl.sum(scale, axis=2) * (d8[None, :] * idot.to(tl.float32))
+        t_off = tl.sum(off, axis=2) * (d8 * isum.to(tl.float32))[None, :]
+        acc += t_dot + t_off
+    out = tl.zeros((BN,), dtype=tl.float32)
+    for g in tl.static_range(G):  # lanes in order (a masked sum picks one lane exactly)
+        out += tl.sum(tl.where(gi[None, :] == g, acc, 0.0), axis=1)
+    if INDEXED:
+        out = tl.where(ok, out, float("nan"))
+    tl.store(y + n, out.to(y.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _f16_le(p, m):
+    # little-endian fp16 at byte pointer p -> float32
+    h = tl.load(p, mask=m, other=0).to(tl.int32) | (tl.load(p + 1, mask=m, other=0).to(tl.int32) << 8)
+    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _group_decompose_kernel(w, tab, scale_out, off_out, code_out, K, rb,
+                            FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, GL: tl.constexpr,
+                            NG: tl.constexpr):
+    # One program per row: the grouped form (scale, offset, GL codes per group) of its K/GL
+    # groups, read exactly as the mat-vec kernels read them (test support for the integer
+    # reference). NG: K/GL rounded up to a power of two.
+    r = tl.program_id(0).to(tl.int64)
+    ng = K // GL
+    gi = tl.arange(0, NG)
+    gm = gi < ng
+    kg = gi * GL                                                       # [NG]
+    bp = (w + r * rb + (kg // QK) * TS)[:, None]                       # [NG, 1]
+    m = gm[:, None]
+    scale, off, aux = group_params(bp, ((kg % QK) // GL)[:, None], m, tab, FMT)
+    code = group_code(bp, (kg % QK)[:, None] + tl.arange(0, GL)[None, :], m, tab, aux, FMT)  # [NG, GL]
+    tl.store(scale_out + r * ng + gi[:, None], scale, mask=m)
+    tl.store(off_out + r * ng + gi[:, None], off, mask=m)
+    tl.store(code_out + r * K + kg[:, None] + tl.arange(0, GL)[None, :], code, mask=m)
+
+
+@triton.jit
 def _gemm_kernel(x, w, y, tab, rows_idx, tile_expert, M, N, K, rb, x_div, n_experts,
                  FMT: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, DOT: tl.constexpr,
                  PREC: tl.constexpr, GROUPED: tl.constexpr, GL: tl.constexpr,
@@ -307,6 +389,58 @@ def _group_len(qtype: str) -> int:
     return GROUP_LEN.get(_name(qtype), 0)
 
 
+# Decode mat-vec path per format (M == 1 and the mul_mat_id decode): "int8" quantizes the
+# activation to q8_1 once per op and runs _matvec_q8_kernel (integer dots); "f32" runs the grouped
+# float kernel on the activation as given. Not yet measured on a GPU: the i-quants start on int8
+# (their decode is compute-bound on the codebook decode, DESIGN section 5), the bandwidth-bound
+# formats on f32. benchmarks/gpu_check.py measures both paths per format and prints which is
+# faster; this table is the one place to change. HANZO_TRITON_DECODE=int8|f32 overrides it (A/B).
+DECODE_PATH: dict[str, str] = {
+    **{n: "f32" for n in GROUP_LEN},
+    **{n: "int8" for n in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                           "IQ4_NL", "IQ4_XS")},
+}
+
+Q8_BN, Q8_BK = 8, 256
+"""Tile of the int8 decode mat-vec: 8 weight rows x 256 columns."""
+
+
+def _decode_int8(qtype: str) -> bool:
+    # int8 decode needs the grouped rule (groups of 8-32 values inside one 32-value q8_1 block)
+    name = _name(qtype)
+    if not _group_len(qtype):
+        return False
+    force = os.environ.get("HANZO_TRITON_DECODE", "")
+    if force in ("int8", "f32"):
+        return force == "int8"
+    return DECODE_PATH.get(name, "f32") == "int8"
+
+
+def group_decompose(w: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped form of packed ``w uint8 [N, rb]`` as the mat-vec kernels read it.
+
+    Returns ``(scale, offset, code)``: float32 ``[N, K/GL]``, ``[N, K/GL]`` and ``[N, K]`` with
+    ``W[n, k] = scale[n, k // GL] * code[n, k] + offset[n, k // GL]`` (``GL`` =
+    :data:`.formats.GROUP_LEN`). Test support for the integer reference of the int8 decode.
+    Raises ValueError for a format without a grouped rule.
+    """
+    fid, qk, ts = format_info(qtype)
+    gl = GROUP_LEN.get(_name(qtype), 0)
+    if not gl:
+        raise ValueError(f"group_decompose: {qtype} has no grouped rule")
+    _check_packed(w, "group_decompose")
+    N, rb = w.shape
+    K = _row_length(rb, qk, ts, qtype, "group_decompose")
+    scale = torch.empty((N, K // gl), dtype=torch.float32, device=w.device)
+    off = torch.empty_like(scale)
+    code = torch.empty((N, K), dtype=torch.float32, device=w.device)
+    if N and K:
+        _group_decompose_kernel[(N,)](w.contiguous(), format_table(qtype, w.device), scale, off, code, K, rb,
+                                      FMT=fid, QK=qk, TS=ts, GL=gl, NG=triton.next_power_of_2(K // gl),
+                                      enable_fp_fusion=False)
+    return scale, off, code
+
+
 def _gemm_group_len(qtype: str, cfg: dict) -> int:
     # grouped weight-tile unpack when the K tile holds whole groups (GL <= BK)
     gl = _group_len(qtype)
@@ -361,7 +495,13 @@ def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
     x2 = x.reshape(M, K).contiguous()
     w = w.contiguous()
     tab = format_table(qtype, w.device)
-    if M == 1 and _group_len(qtype):
+    if M == 1 and _decode_int8(qtype):
+        xq = quantize_q8_1(x2)  # once per op, shared by every program
+        _matvec_q8_kernel[(triton.cdiv(N, Q8_BN), 1)](xq, w, y, tab, xq, N, K, rb, 1, 1,
+                                                      FMT=fid, QK=qk, TS=ts, GL=_group_len(qtype), INDEXED=False,
+                                                      BN=Q8_BN, BK=Q8_BK, num_warps=MATVEC_WARPS,
+                                                      enable_fp_fusion=False)
+    elif M == 1 and _group_len(qtype):
         gl = _group_len(qtype)
         _matvec_grouped_kernel[(triton.cdiv(N, GROUPED_BN), 1)](x2, w, y, tab, x2, N, K, rb, 1, 1,
                                                                 FMT=fid, QK=qk, TS=ts, GL=gl, INDEXED=False,
@@ -455,6 +595,13 @@ def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) 
     if T <= MATVEC_MAX_M:
         y = torch.empty((T, kk, N), dtype=x.dtype, device=x.device)
         gl = _group_len(qtype)
+        if gl and _decode_int8(qtype):
+            xq = quantize_q8_1(xc)  # [T(, k), K/32*36]: rows indexed like x
+            _matvec_q8_kernel[(triton.cdiv(N, Q8_BN), S)](xq, w, y, tab, flat, N, K, rb, x_div, E,
+                                                          FMT=fid, QK=qk, TS=ts, GL=gl, INDEXED=True,
+                                                          BN=Q8_BN, BK=Q8_BK, num_warps=MATVEC_WARPS,
+                                                          enable_fp_fusion=False)
+            return y
         if gl:
             _matvec_grouped_kernel[(triton.cdiv(N, GROUPED_BN), S)](xc, w, y, tab, flat, N, K, rb, x_div, E,
                                                                     FMT=fid, QK=qk, TS=ts, GL=gl, INDEXED=True,
