@@ -18,10 +18,13 @@ filters see the temperature-1 distribution, so temperature only reshapes the sur
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -75,9 +78,12 @@ class GenerationStats:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
 
     def summary(self) -> str:
+        def rate(r: float) -> str:
+            return f"{r:.1f} tok/s" if math.isfinite(r) else "no timing"
+
         return (f"prefill: {self.prompt_tokens} tokens in {self.prefill_s:.2f} s "
-                f"({self.prefill_tokens_per_s:.1f} tok/s) | decode: {self.decode_steps} tokens in "
-                f"{self.decode_s:.2f} s ({self.decode_tokens_per_s:.1f} tok/s) | stop: {self.stop_reason}")
+                f"({rate(self.prefill_tokens_per_s)}) | decode: {self.decode_steps} tokens in "
+                f"{self.decode_s:.2f} s ({rate(self.decode_tokens_per_s)}) | stop: {self.stop_reason}")
 
 
 @dataclass
@@ -300,6 +306,12 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
     Returns:
         :class:`GenerationResult`, or a :class:`TextStream` when ``stream``.
 
+    Thread safety: runs on one model object are serialized (a per-model lock held while the
+    tokens are computed; for ``stream=True`` from the first ``next()`` until the stream ends
+    or is closed): a second thread waits for the first. Starting a second run in the thread
+    whose stream is still open raises RuntimeError. Model objects loaded separately run in
+    parallel. Direct ``model(...)`` calls are not locked.
+
     Stops at the first of: an end-of-generation token (the tokenizer's ``eos_token_ids``, such
     as ``<|im_end|>`` and ``<|endoftext|>``) -> ``stop_reason "eos"``; a stop string -> "stop";
     ``max_new_tokens`` -> "length"; the model's ``max_context`` -> "context".
@@ -307,6 +319,7 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
     Raises:
         ValueError: bad sampling parameters, an empty prompt, a prompt that does not fit in
             ``max_context``, non-finite logits; TypeError: an unsupported prompt type.
+        RuntimeError: this thread already has an unfinished run on ``model``.
     """
     params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n)
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
@@ -376,8 +389,55 @@ def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, tem
     raise TypeError(f"prompt must be a str, token ids or chat messages, got {type(prompt).__name__}")
 
 
-def _run(model, prompt_ids, max_new_tokens, params, seed, stops, tokenizer, ignore_eos, skip_special,
-         max_context, stats: GenerationStats, result_box: list) -> Iterator[str]:
+class _GenerateLock:
+    """Serializes generation runs on one model object (its KV cache and sequence position are
+    shared state). A second thread waits; the thread already running one (an unfinished
+    stream) gets a RuntimeError instead of a deadlock or interleaved caches."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: Optional[int] = None
+
+    @contextlib.contextmanager
+    def hold(self):
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError("generate() is already running on this model in this thread (an unfinished "
+                               "stream=True iterator?); exhaust or close() it before starting another")
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+
+_LOCKS: "weakref.WeakKeyDictionary[Any, _GenerateLock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _generate_lock(model) -> Optional[_GenerateLock]:
+    with _LOCKS_GUARD:
+        try:
+            lock = _LOCKS.get(model)
+            if lock is None:
+                lock = _LOCKS[model] = _GenerateLock()
+        except TypeError:  # not weak-referenceable or unhashable: nothing to key a lock on
+            return None
+    return lock
+
+
+def _run(model, *args) -> Iterator[str]:
+    lock = _generate_lock(model)
+    if lock is None:
+        yield from _run_unlocked(model, *args)
+        return
+    with lock.hold():
+        yield from _run_unlocked(model, *args)
+
+
+def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokenizer, ignore_eos, skip_special,
+                  max_context, stats: GenerationStats, result_box: list) -> Iterator[str]:
     device = _model_device(model)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     eos_ids = frozenset() if ignore_eos or tokenizer is None else frozenset(tokenizer.eos_token_ids)
