@@ -335,14 +335,14 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
             tokenizer = None
     if stops and tokenizer is None:
         raise ValueError("stop strings need a tokenizer (model.tokenizer or tokenizer=)")
-    prompt_ids = _prompt_ids(prompt_or_ids, tokenizer, add_generation_prompt, template_kwargs)
+    max_context = getattr(model, "max_context", None)
+    prompt_ids = _prompt_ids(prompt_or_ids, tokenizer, add_generation_prompt, template_kwargs, max_context)
     if not prompt_ids:
         raise ValueError("empty prompt: give at least one token")
     if tokenizer is not None:
         bad = [i for i in prompt_ids if not 0 <= i < tokenizer.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})")
-    max_context = getattr(model, "max_context", None)
     if max_context is not None and len(prompt_ids) > max_context:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's max_context is {max_context}; "
                          "shorten it or load the model with a larger max_context")
@@ -368,10 +368,22 @@ def stream_generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_token
     return generate(model, prompt_or_ids, max_new_tokens, stream=True, **kwargs)
 
 
-def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
+def _check_text_fits(text: str, tokenizer: Any, max_context: Optional[int]) -> None:
+    # Encoding a huge text costs memory in proportion (tens of bytes per character in the BPE
+    # library, which aborts the process when an allocation fails): refuse, before encoding, a
+    # text that cannot fit in max_context tokens anyway.
+    per = getattr(tokenizer, "max_token_bytes", None)
+    if max_context and isinstance(per, int) and per > 0 and len(text) > max_context * per:
+        raise ValueError(f"the prompt has {len(text)} characters, more than max_context={max_context} tokens "
+                         f"of this vocabulary can hold (at most {per} bytes each); shorten it")
+
+
+def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, template_kwargs: dict,
+                max_context: Optional[int] = None) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer (model.tokenizer or tokenizer=)")
+        _check_text_fits(prompt, tokenizer, max_context)
         return tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2 and prompt.shape[0] == 1:
@@ -383,6 +395,7 @@ def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, tem
         if tokenizer is None:
             raise ValueError("chat messages need a tokenizer with a chat template")
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        _check_text_fits(text, tokenizer, max_context)
         return tokenizer.encode(text, add_special_tokens=False)
     if isinstance(prompt, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         return [int(i) for i in prompt]

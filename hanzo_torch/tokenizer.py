@@ -130,6 +130,8 @@ class Tokenizer:
         bos_token_id / eos_token_id / pad_token_id: ints or None.
         eos_token_ids: frozenset of ids that end generation (eos, eot, eom and llama.cpp's
             end-of-generation control tokens such as ``<|im_end|>``, ``<|endoftext|>``).
+        max_token_bytes: an upper bound of the UTF-8 bytes of one token (4 x the longest token
+            text), used to refuse texts that cannot fit a context before encoding them.
         add_bos_token / add_eos_token: whether ``encode(add_special_tokens=True)`` adds them.
         chat_template: the jinja2 source or None.
         backend: the underlying ``tokenizers.Tokenizer``.
@@ -177,6 +179,9 @@ class Tokenizer:
         self.tokens = list(tokens)
         self.token_types = list(token_types)
         self.vocab_size = n
+        # an upper bound of the UTF-8 bytes one token stands for (a character is at most 4
+        # bytes): a text of more characters than n_tokens * this cannot encode to n_tokens
+        self.max_token_bytes = 4 * max(1, max(len(t) for t in self.tokens))
         self.pre = pre
         self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
         self.add_bos_token, self.add_eos_token = bool(add_bos_token), bool(add_eos_token)
