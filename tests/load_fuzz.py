@@ -444,7 +444,7 @@ def serve(argv=None) -> None:
 
     torch.set_num_threads(1)  # before any parallel region: forked children inherit no thread pool
     import hanzo_torch  # noqa: F401
-    from hanzo_torch.ops import cpu
+    from hanzo_torch.backends import cpu
 
     cpu.extension()
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

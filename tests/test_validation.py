@@ -23,7 +23,7 @@ from load_fuzz import Base, _write, build_bases
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
-    from hanzo_torch.ops import cpu
+    from hanzo_torch.backends import cpu
 
     cpu.extension()
     return {b.arch: b for b in build_bases(str(tmp_path_factory.mktemp("bases")))}
