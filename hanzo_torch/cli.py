@@ -141,8 +141,9 @@ def _check_gguf_path(path: str) -> Path:
         _die(f"{shown} is a directory, not a GGUF file")
     if not stat.S_ISREG(st.st_mode):
         _die(f"{shown} is not a regular file (named pipe, device or socket), not a GGUF file")
-    with open(p, "rb") as f:
-        magic = f.read(4)
+    # O_NONBLOCK: were the path swapped for a named pipe since the stat, open() returns at once
+    with open(os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+        magic = f.read(4) or b""
     if magic != b"GGUF":
         _die(f"{shown} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     return p

@@ -318,7 +318,8 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
 
     Raises:
         ValueError: bad sampling parameters, an empty prompt, a prompt that does not fit in
-            ``max_context``, non-finite logits; TypeError: an unsupported prompt type.
+            ``max_context`` (a text longer than ``max_context`` tokens can hold is refused before
+            it is encoded), non-finite logits; TypeError: an unsupported prompt type.
         RuntimeError: this thread already has an unfinished run on ``model``.
     """
     params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n)
