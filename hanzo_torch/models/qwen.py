@@ -291,7 +291,9 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ text
     @property
     def tokenizer(self):
-        """The file's tokenizer (:class:`hanzo_torch.tokenizer.Tokenizer`), built on first use."""
+        """The file's tokenizer (:class:`hanzo_torch.tokenizer.Tokenizer`), built and checked by
+        :func:`~hanzo_torch.load` (a file without ``tokenizer.ggml.merges`` has none: asking for
+        it raises TokenizerError naming the file)."""
         if self._tokenizer is None:
             from ..tokenizer import Tokenizer
 
