@@ -334,7 +334,7 @@ def _file_type_name(meta) -> Optional[str]:
 
 
 def cmd_inspect(args) -> int:
-    from .gguf_file import GGUFFile
+    from .gguf_file import GGUFError, GGUFFile
 
     path = _check_gguf_path(args.path)
     with GGUFFile(path) as f:
@@ -354,7 +354,11 @@ def cmd_inspect(args) -> int:
         print("\nmetadata:")
         width = max((len(_esc(k)) for k in meta), default=0)
         for key in meta:
-            print(f"  {_esc(key):<{width}}  {_esc(_fmt_value(meta, key))}")
+            try:
+                shown = _fmt_value(meta, key)
+            except GGUFError as exc:  # one undecodable value (bad UTF-8, a bool byte of 7): say so, go on
+                shown = f"<unreadable: {exc}>"
+            print(f"  {_esc(key):<{width}}  {_esc(shown)}")
         if infos:
             by_fmt: dict[str, list[int]] = {}
             for t in infos:

@@ -284,3 +284,16 @@ def test_module_entry_point_subprocess(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"hanzo-torch: error: file not found: {tmp_path / 'missing.gguf'}"]
+
+
+def test_inspect_shows_undecodable_value_and_goes_on(tmp_path, capsys):
+    import hanzo_torch
+
+    path = tmp_path / "badutf8.gguf"
+    hanzo_torch.save_gguf(path, {"w.weight": torch.zeros(2, 32)}, {"a.list": ["okay", "qzqz"], "b.after": 5},
+                          architecture="qwen3")
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"qzqz", b"q\xffzq", 1))  # invalid UTF-8 inside an array element
+    rc, out, err = run(["inspect", path], capsys)
+    assert rc == 0 and err == ""
+    assert re.search(r"a\.list\s+<unreadable: .*UTF-8", out) and re.search(r"b\.after\s+5", out)
