@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug(p, argparse.SUPPRESS)  # after the command too; SUPPRESS keeps the global value
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--force", action="store_true", help="download again even if present")
-    p.add_argument("--verify", action="store_true", help="re-hash the whole cached file (sha256) even if its marker matches")
+    p.add_argument("--verify", action="store_true",
+                   help="re-hash the whole cached file (sha256) even if its marker matches")
 
     i = sub.add_parser("inspect", help="show a GGUF file's metadata and tensors")
     _add_debug(i, argparse.SUPPRESS)  # after the command too; SUPPRESS keeps the global value

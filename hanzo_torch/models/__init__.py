@@ -25,8 +25,8 @@ def load(
     The class is chosen from ``general.architecture`` (``qwen2``, ``qwen3``, ``qwen3moe``) and
     configured from the file's metadata only, after every hyper-parameter, tensor shape and the
     tokenizer metadata have been validated against each other (:mod:`hanzo_torch.models.config`):
-    a malformed or hostile file raises :class:`GGUFError` before anything is allocated. The module is built on the meta device and the
-    file's tensors are assigned to it: projection and embedding weights stay
+    a malformed or hostile file raises :class:`GGUFError` before anything is allocated. The
+    module is built on the meta device and the file's tensors are assigned to it: projection and embedding weights stay
     :class:`~hanzo_torch.GGUFTensor` views of the memory-mapped file (on CPU nothing is copied;
     the OS is asked to read the file into the page cache in the background,
     :meth:`~hanzo_torch.gguf_file.GGUFFile.prefetch`), 1-D norm weights and biases are
