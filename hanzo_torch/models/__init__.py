@@ -26,8 +26,9 @@ def load(
     configured from the file's metadata only, after every hyper-parameter, tensor shape and the
     tokenizer metadata have been validated against each other (:mod:`hanzo_torch.models.config`):
     a malformed or hostile file raises :class:`GGUFError` before anything is allocated. The
-    module is built on the meta device and the file's tensors are assigned to it: projection and embedding weights stay
-    :class:`~hanzo_torch.GGUFTensor` views of the memory-mapped file (on CPU nothing is copied;
+    module is built on the meta device and the file's tensors are assigned to it: projection
+    and embedding weights stay :class:`~hanzo_torch.GGUFTensor` views of the memory-mapped file
+    (on CPU nothing is copied;
     the OS is asked to read the file into the page cache in the background,
     :meth:`~hanzo_torch.gguf_file.GGUFFile.prefetch`), 1-D norm weights and biases are
     dequantized to ``dtype``. No full-precision copy of a matrix is ever made.
