@@ -8,12 +8,16 @@
 
 Generated text goes to stdout as it decodes; load time and prefill/decode tokens/s go to
 stderr. Errors are one line on stderr: exit 1 for a runtime problem (missing file, not a GGUF,
-unsupported model, download failure), 2 for bad arguments.
+a malformed model, download failure), 2 for bad arguments (checked before any download or
+load); ``--debug`` adds the Python traceback. A traceback without ``--debug`` means a bug.
+Text that comes from a file (metadata keys and values, tensor names) is printed with control
+characters escaped, so a file cannot send terminal escape sequences.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import stat
 import statistics
 import sys
 import time
@@ -52,7 +56,14 @@ def _int_list(text: str) -> list[int]:
     return vals
 
 
+def _add_debug(p: argparse.ArgumentParser, default) -> None:
+    p.add_argument("--debug", action="store_true", default=default,
+                   help="show the Python traceback of an error (for bug reports)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-t", "--threads", type=_positive_int, metavar="N",
+                   help="CPU threads for the kernels (torch.set_num_threads; default: torch's)")
     p.add_argument("-m", "--model", metavar="PATH",
                    help="GGUF file (default: Qwen2.5-Coder-1.5B-Instruct Q4_K_M, downloaded on first use)")
     p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, ... (default: cuda if available)")
@@ -67,10 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .generation import DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
 
     parser = argparse.ArgumentParser(prog=PROG, description="Run GGUF LLMs in PyTorch with packed weights.")
+    _add_debug(parser, False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     g = sub.add_parser("generate", help="generate text from a prompt (streamed to stdout)")
+    _add_debug(g, argparse.SUPPRESS)  # after the command too; SUPPRESS keeps the global value
     _add_model_args(g)
     g.add_argument("-p", "--prompt", help="prompt text ('-' or omitted with piped stdin: read stdin)")
     g.add_argument("-f", "--file", metavar="PATH", help="read the prompt from a file")
@@ -93,14 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-q", "--quiet", action="store_true", help="no stats on stderr")
 
     p = sub.add_parser("pull", help="download the default model into the cache")
+    _add_debug(p, argparse.SUPPRESS)  # after the command too; SUPPRESS keeps the global value
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--force", action="store_true", help="download again even if present")
+    p.add_argument("--verify", action="store_true",
+                   help="re-hash the whole cached file (sha256) even if its marker matches")
 
     i = sub.add_parser("inspect", help="show a GGUF file's metadata and tensors")
-    i.add_argument("path", help="GGUF file")
+    _add_debug(i, argparse.SUPPRESS)  # after the command too; SUPPRESS keeps the global value
+    i.add_argument("path", nargs="?", help="GGUF file")
+    i.add_argument("--backends", action="store_true",
+                   help="list the kernel backends instead: available or why not, formats, CPU instruction set")
     i.add_argument("--no-tensors", action="store_true", help="metadata only")
 
     b = sub.add_parser("bench", help="prompt-processing / generation tokens per second (llama-bench style)")
+    _add_debug(b, argparse.SUPPRESS)  # after the command too; SUPPRESS keeps the global value
     _add_model_args(b)
     b.add_argument("-p", "--n-prompt", type=_int_list, default=[128], metavar="N[,N...]",
                    help="prompt lengths to test, 0 = skip (default 128)")
@@ -118,15 +138,39 @@ def _die(msg: str) -> None:
 
 def _check_gguf_path(path: str) -> Path:
     p = Path(path).expanduser()
-    if not p.exists():
-        _die(f"file not found: {path}")
-    if p.is_dir():
-        _die(f"{path} is a directory, not a GGUF file")
-    with open(p, "rb") as f:
-        magic = f.read(4)
+    shown = _esc(path)
+    try:
+        st = os.stat(p)  # never blocks, unlike opening a named pipe
+    except FileNotFoundError:
+        _die(f"file not found: {shown}")
+    except OSError as exc:
+        _die(f"cannot access {shown}: {exc.strerror or exc}")
+    if stat.S_ISDIR(st.st_mode):
+        _die(f"{shown} is a directory, not a GGUF file")
+    if not stat.S_ISREG(st.st_mode):
+        _die(f"{shown} is not a regular file (named pipe, device or socket), not a GGUF file")
+    # O_NONBLOCK: were the path swapped for a named pipe since the stat, open() returns at once
+    with open(os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+        magic = f.read(4) or b""
     if magic != b"GGUF":
-        _die(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        _die(f"{shown} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     return p
+
+
+def _esc(text) -> str:
+    """``text`` with every non-printable character (C0/C1 controls such as ESC, bidi and other
+    format characters, line separators) written as a Python escape: safe to print to a terminal."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch.isprintable():
+            out.append(ch)
+        else:
+            o = ord(ch)
+            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
+    return "".join(out)
 
 
 def _model_path(arg: Optional[str], quiet: bool = False) -> Path:
@@ -152,10 +196,11 @@ def _device_dtype(device: str, dtype: str):
 
 
 def _load(args, max_context: Optional[int] = None):
-    from . import load
+    from . import backends, load
 
+    device, dtype = _device_dtype(args.device, args.dtype)  # a bad --device fails before a download
+    backends.check_environment()  # a malformed HANZO_CPU_ISA, too
     path = _model_path(args.model, quiet=getattr(args, "quiet", False))
-    device, dtype = _device_dtype(args.device, args.dtype)
     t0 = time.perf_counter()
     kv = getattr(args, "kv_dtype", "auto")
     model = load(path, device=device, dtype=dtype, max_context=args.max_context or max_context,
@@ -181,12 +226,44 @@ def _read_prompt(args) -> str:
 
 
 # ---------------------------------------------------------------------- commands
+class UsageError(CLIError):
+    """A bad argument found after parsing (exit code 2, like argparse's own errors)."""
+
+
+_SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+                   "repetition_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n"}
+
+
+def _check_sampling(args) -> None:
+    from .generation import SamplingParams
+
+    try:
+        SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.repeat_penalty, args.repeat_last_n)
+    except ValueError as exc:
+        msg = str(exc)
+        for name, flag in _SAMPLING_FLAGS.items():
+            if msg.startswith(name + " "):
+                msg = flag + msg[len(name):]
+                break
+        raise UsageError(msg) from None
+
+
+def _set_threads(args) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def cmd_generate(args) -> int:
+    # every argument is checked before the model is downloaded or loaded
+    if args.n_predict < 0:
+        raise UsageError(f"-n must be >= 0, got {args.n_predict}")
+    _check_sampling(args)
     prompt_text = _read_prompt(args)
     if not prompt_text and not (args.chat or args.system):
         _die("empty prompt: give -p TEXT, -f FILE, or pipe text to stdin")  # before loading 1 GB
-    if args.n_predict < 0:
-        _die(f"-n must be >= 0, got {args.n_predict}")
+    _set_threads(args)
     model, path, load_s = _load(args)
     tok = model.tokenizer
     if not args.quiet:
@@ -219,7 +296,7 @@ def cmd_generate(args) -> int:
 def cmd_pull(args) -> int:
     from .hub import pull
 
-    path = pull(quiet=args.quiet, force=args.force)
+    path = pull(quiet=args.quiet, force=args.force, verify=args.verify)
     print(path)
     return 0
 
@@ -268,28 +345,55 @@ def _file_type_name(meta) -> Optional[str]:
     return name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
-def cmd_inspect(args) -> int:
-    from .gguf_file import GGUFFile
+def _kernels_line(device) -> str:
+    """Which kernels run on ``device`` (for the CPU: the C++ kernels' instruction set)."""
+    from . import backends
 
+    for b in backends.status():
+        if b.name != "reference" and b.available and device.type in b.device_types:
+            isa = f", ISA {b.details['isa']}" if "isa" in b.details else ""
+            return f"{b.name}{isa}"
+    return "torch references"
+
+
+def _backend_lines() -> list:
+    from . import backends
+
+    return [_esc(str(b)) for b in backends.status()]
+
+
+def cmd_inspect(args) -> int:
+    from .gguf_file import GGUFError, GGUFFile
+
+    if args.backends:
+        for line in _backend_lines():
+            print(line)
+        return 0
+    if args.path is None:
+        raise UsageError("inspect needs a GGUF file (or --backends)")
     path = _check_gguf_path(args.path)
     with GGUFFile(path) as f:
         meta = f.metadata
         infos = list(f.tensor_info.values())
         n_params = sum(t.n_elements for t in infos)
         total = sum(t.nbytes for t in infos)
-        print(f"file:         {path} ({_fmt_bytes(f.size)})")
+        print(f"file:         {_esc(path)} ({_fmt_bytes(f.size)})")
         print(f"format:       GGUF v{f.version}, {len(meta)} metadata keys, {len(infos)} tensors, "
               f"alignment {f.alignment}")
-        print(f"architecture: {f.architecture or '(none)'}")
+        print(f"architecture: {_esc(f.architecture or '(none)')}")
         ft = _file_type_name(meta)
         if ft:
             print(f"file type:    {ft}")
         print(f"parameters:   {n_params:,} ({_fmt_count(n_params)}), tensor data {_fmt_bytes(total)}"
               + (f", {8 * total / n_params:.2f} bits/weight" if n_params else ""))
         print("\nmetadata:")
-        width = max((len(k) for k in meta), default=0)
+        width = max((len(_esc(k)) for k in meta), default=0)
         for key in meta:
-            print(f"  {key:<{width}}  {_fmt_value(meta, key)}")
+            try:
+                shown = _fmt_value(meta, key)
+            except GGUFError as exc:  # one undecodable value (bad UTF-8, a bool byte of 7): say so, go on
+                shown = f"<unreadable: {exc}>"
+            print(f"  {_esc(key):<{width}}  {_esc(shown)}")
         if infos:
             by_fmt: dict[str, list[int]] = {}
             for t in infos:
@@ -301,11 +405,11 @@ def cmd_inspect(args) -> int:
             for q, (n, elems, nb) in sorted(by_fmt.items(), key=lambda kv: -kv[1][2]):
                 print(f"  {q:<8} {n:>5} tensors  {elems:>14,} weights  {_fmt_bytes(nb):>11}")
         if infos and not args.no_tensors:
-            nw = max(len(t.name) for t in infos)
+            nw = max(len(_esc(t.name)) for t in infos)
             print(f"\ntensors:\n  {'name':<{nw}}  {'format':<8}  {'shape':<22}  {'bytes':>13}")
             for t in infos:
                 shape = "x".join(str(s) for s in t.shape) or "scalar"
-                print(f"  {t.name:<{nw}}  {t.qtype:<8}  {shape:<22}  {t.nbytes:>13,}")
+                print(f"  {_esc(t.name):<{nw}}  {t.qtype:<8}  {shape:<22}  {t.nbytes:>13,}")
     return 0
 
 
@@ -323,8 +427,9 @@ def cmd_bench(args) -> int:
     if not tests:
         _die("nothing to run: every -p and -n value is 0")
     if args.warmup < 0:
-        _die(f"--warmup must be >= 0, got {args.warmup}")
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     need = max(n for _, n in tests)
+    _set_threads(args)
     model, path, load_s = _load(args, max_context=need)
     if model.max_context < need:
         _die(f"--max-context {model.max_context} is smaller than the longest test ({need} tokens)")
@@ -368,6 +473,7 @@ def cmd_bench(args) -> int:
     dtype = str(model.dtype).removeprefix("torch.") if hasattr(model, "dtype") else "?"
     kv = f", KV cache {model.kv_dtype}" if getattr(model, "kv_dtype", None) else ""
     _err(f"model {path.name} loaded in {load_s:.2f} s on {device}{kv}")
+    _err(f"backend: {_kernels_line(device)}")
     cols = ["model", "size", "params", "device", "dtype", "test", "t/s (median)", "± stdev", "runs"]
     head = f"{arch} {ftype}"
     print("| " + " | ".join(cols) + " |")
@@ -397,10 +503,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .hub import HubError
     from .tokenizer import TokenizerError
 
+    debug = getattr(args, "debug", False)
     try:
         return _COMMANDS[args.command](args)
     except KeyboardInterrupt:
+        what = {"pull": "download interrupted; nothing partial was kept, run `hanzo-torch pull` again"}
         print(file=sys.stderr)
+        _err(what.get(args.command, "interrupted"))
         return 130
     except BrokenPipeError:  # `hanzo-torch ... | head`
         try:
@@ -408,12 +517,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except OSError:
             pass
         return 0
-    except (CLIError, GGUFError, HubError, TokenizerError, ValueError, OSError, NotImplementedError) as exc:
+    except (CLIError, GGUFError, HubError, TokenizerError, ValueError, TypeError, OSError, MemoryError,
+            NotImplementedError) as exc:
+        # a bad file (GGUFError, TokenizerError), a bad argument (ValueError, TypeError) or the
+        # environment: one line; --debug shows where it came from
+        if debug:
+            import traceback
+
+            traceback.print_exc()
         msg = " ".join(str(exc).split()) or type(exc).__name__  # one line
         if isinstance(exc, OSError) and exc.strerror:
             msg = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
-        _err(f"error: {msg}")
-        return 1
+        elif isinstance(exc, MemoryError):
+            msg = f"out of memory {msg}" if str(exc) else "out of memory"
+        _err(f"error: {_esc(msg)}")
+        return 2 if isinstance(exc, UsageError) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

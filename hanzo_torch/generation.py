@@ -20,10 +20,13 @@ filters see the temperature-1 distribution, so temperature only reshapes the sur
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -78,9 +81,12 @@ class GenerationStats:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
 
     def summary(self) -> str:
+        def rate(r: float) -> str:
+            return f"{r:.1f} tok/s" if math.isfinite(r) else "no timing"
+
         return (f"prefill: {self.prompt_tokens} tokens in {self.prefill_s:.2f} s "
-                f"({self.prefill_tokens_per_s:.1f} tok/s) | decode: {self.decode_steps} tokens in "
-                f"{self.decode_s:.2f} s ({self.decode_tokens_per_s:.1f} tok/s) | stop: {self.stop_reason}")
+                f"({rate(self.prefill_tokens_per_s)}) | decode: {self.decode_steps} tokens in "
+                f"{self.decode_s:.2f} s ({rate(self.decode_tokens_per_s)}) | stop: {self.stop_reason}")
 
 
 @dataclass
@@ -307,13 +313,21 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
     Returns:
         :class:`GenerationResult`, or a :class:`TextStream` when ``stream``.
 
+    Thread safety: runs on one model object are serialized (a per-model lock held while the
+    tokens are computed; for ``stream=True`` from the first ``next()`` until the stream ends
+    or is closed): a second thread waits for the first. Starting a second run in the thread
+    whose stream is still open raises RuntimeError. Model objects loaded separately run in
+    parallel. Direct ``model(...)`` calls are not locked.
+
     Stops at the first of: an end-of-generation token (the tokenizer's ``eos_token_ids``, such
     as ``<|im_end|>`` and ``<|endoftext|>``) -> ``stop_reason "eos"``; a stop string -> "stop";
     ``max_new_tokens`` -> "length"; the model's ``max_context`` -> "context".
 
     Raises:
         ValueError: bad sampling parameters, an empty prompt, a prompt that does not fit in
-            ``max_context``, non-finite logits; TypeError: an unsupported prompt type.
+            ``max_context`` (a text longer than ``max_context`` tokens can hold is refused before
+            it is encoded), non-finite logits; TypeError: an unsupported prompt type.
+        RuntimeError: this thread already has an unfinished run on ``model``.
     """
     params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n)
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
@@ -329,14 +343,14 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
             tokenizer = None
     if stops and tokenizer is None:
         raise ValueError("stop strings need a tokenizer (model.tokenizer or tokenizer=)")
-    prompt_ids = _prompt_ids(prompt_or_ids, tokenizer, add_generation_prompt, template_kwargs)
+    max_context = getattr(model, "max_context", None)
+    prompt_ids = _prompt_ids(prompt_or_ids, tokenizer, add_generation_prompt, template_kwargs, max_context)
     if not prompt_ids:
         raise ValueError("empty prompt: give at least one token")
     if tokenizer is not None:
         bad = [i for i in prompt_ids if not 0 <= i < tokenizer.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})")
-    max_context = getattr(model, "max_context", None)
     if max_context is not None and len(prompt_ids) > max_context:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's max_context is {max_context}; "
                          "shorten it or load the model with a larger max_context")
@@ -362,10 +376,22 @@ def stream_generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_token
     return generate(model, prompt_or_ids, max_new_tokens, stream=True, **kwargs)
 
 
-def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
+def _check_text_fits(text: str, tokenizer: Any, max_context: Optional[int]) -> None:
+    # Encoding a huge text costs memory in proportion (tens of bytes per character in the BPE
+    # library, which aborts the process when an allocation fails): refuse, before encoding, a
+    # text that cannot fit in max_context tokens anyway.
+    per = getattr(tokenizer, "max_token_bytes", None)
+    if max_context and isinstance(per, int) and per > 0 and len(text) > max_context * per:
+        raise ValueError(f"the prompt has {len(text)} characters, more than max_context={max_context} tokens "
+                         f"of this vocabulary can hold (at most {per} bytes each); shorten it")
+
+
+def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, template_kwargs: dict,
+                max_context: Optional[int] = None) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer (model.tokenizer or tokenizer=)")
+        _check_text_fits(prompt, tokenizer, max_context)
         return tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2 and prompt.shape[0] == 1:
@@ -377,14 +403,62 @@ def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, tem
         if tokenizer is None:
             raise ValueError("chat messages need a tokenizer with a chat template")
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        _check_text_fits(text, tokenizer, max_context)
         return tokenizer.encode(text, add_special_tokens=False)
     if isinstance(prompt, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         return [int(i) for i in prompt]
     raise TypeError(f"prompt must be a str, token ids or chat messages, got {type(prompt).__name__}")
 
 
-def _run(model, prompt_ids, max_new_tokens, params, seed, stops, tokenizer, ignore_eos, skip_special,
-         max_context, stats: GenerationStats, result_box: list, cuda_graph: bool = True) -> Iterator[str]:
+class _GenerateLock:
+    """Serializes generation runs on one model object (its KV cache and sequence position are
+    shared state). A second thread waits; the thread already running one (an unfinished
+    stream) gets a RuntimeError instead of a deadlock or interleaved caches."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: Optional[int] = None
+
+    @contextlib.contextmanager
+    def hold(self):
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError("generate() is already running on this model in this thread (an unfinished "
+                               "stream=True iterator?); exhaust or close() it before starting another")
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+
+_LOCKS: "weakref.WeakKeyDictionary[Any, _GenerateLock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _generate_lock(model) -> Optional[_GenerateLock]:
+    with _LOCKS_GUARD:
+        try:
+            lock = _LOCKS.get(model)
+            if lock is None:
+                lock = _LOCKS[model] = _GenerateLock()
+        except TypeError:  # not weak-referenceable or unhashable: nothing to key a lock on
+            return None
+    return lock
+
+
+def _run(model, *args) -> Iterator[str]:
+    lock = _generate_lock(model)
+    if lock is None:
+        yield from _run_unlocked(model, *args)
+        return
+    with lock.hold():
+        yield from _run_unlocked(model, *args)
+
+
+def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokenizer, ignore_eos, skip_special,
+                  max_context, stats: GenerationStats, result_box: list, cuda_graph: bool = True) -> Iterator[str]:
     from .cuda_graphs import DecodeStep
 
     device = _model_device(model)

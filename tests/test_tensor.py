@@ -313,3 +313,38 @@ def test_save_packed_errors(tmp_path):
         save_packed({"a": torch.zeros(1)}, tmp_path / "a.safetensors", metadata={METADATA_KEY: "x"})
     with pytest.raises(TypeError, match="not a tensor"):
         save_packed({"a": 3}, tmp_path / "a.safetensors")
+
+
+def test_load_packed_strict_metadata_types(tmp_path):
+    """The header JSON is type-checked: a string where a bool belongs, a list where an object
+    belongs, a bad shape or broken JSON are ValueErrors naming the file, never a truthiness
+    conversion or an AttributeError."""
+    import json
+
+    from safetensors.torch import save_file
+
+    m = packed_tiny(torch.float32)
+    w = m.state_dict()["proj.weight"]
+    good = {"qtype": w.qtype, "shape": list(w.logical_shape), "dtype": "float32", "transposed": False}
+    path = tmp_path / "x.safetensors"
+
+    def write(meta_text):
+        save_file({"proj.weight": w.packed.contiguous()}, str(path), metadata={METADATA_KEY: meta_text})
+
+    write(json.dumps({"proj.weight": good}))
+    assert not load_packed(path)["proj.weight"].transposed
+    cases = {
+        json.dumps({"proj.weight": dict(good, transposed="no")}): "'transposed' must be true or false",
+        json.dumps([good]): "must be a JSON object, got list",
+        json.dumps({"proj.weight": [1, 2]}): "must be a JSON object, got list",
+        json.dumps({"proj.weight": dict(good, shape=[N, True])}): "'shape' must be",
+        json.dumps({"proj.weight": dict(good, shape="64")}): "'shape' must be",
+        json.dumps({"proj.weight": dict(good, qtype=5)}): "'qtype' must be a string",
+        json.dumps({"proj.weight": dict(good, extra=1)}): "unknown fields",
+        "{not json": "not valid JSON",
+    }
+    for text, msg in cases.items():
+        write(text)
+        with pytest.raises(ValueError, match=msg) as e:
+            load_packed(path)
+        assert str(path) in str(e.value)

@@ -7,7 +7,8 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from .qwen import ARCHITECTURES, DEFAULT_MAX_CONTEXT, Block, ModelArgs, Transformer
+from .config import ARCHITECTURES, ModelArgs, check_max_context, load_tokenizer
+from .qwen import Block, Transformer
 
 __all__ = ["load", "ModelArgs", "Transformer", "Block", "ARCHITECTURES"]
 
@@ -18,13 +19,17 @@ def load(
     dtype: Optional[torch.dtype] = None,
     max_context: Optional[int] = None,
     kv_dtype: Union[str, torch.dtype, None] = None,
+    extend_context: bool = False,
 ) -> Transformer:
     """Load a GGUF model as an ``nn.Module`` with its weights kept packed.
 
     The class is chosen from ``general.architecture`` (``qwen2``, ``qwen3``, ``qwen3moe``) and
-    configured from the file's metadata only. The module is built on the meta device and the
-    file's tensors are assigned to it: projection and embedding weights stay
-    :class:`~hanzo_torch.GGUFTensor` views of the memory-mapped file (on CPU nothing is copied;
+    configured from the file's metadata only, after every hyper-parameter, tensor shape and the
+    tokenizer metadata have been validated against each other (:mod:`hanzo_torch.models.config`):
+    a malformed or hostile file raises :class:`GGUFError` before anything is allocated. The
+    module is built on the meta device and the file's tensors are assigned to it: projection
+    and embedding weights stay :class:`~hanzo_torch.GGUFTensor` views of the memory-mapped file
+    (on CPU nothing is copied;
     the OS is asked to read the file into the page cache in the background,
     :meth:`~hanzo_torch.gguf_file.GGUFFile.prefetch`), 1-D norm weights and biases are
     dequantized to ``dtype``. No full-precision copy of a matrix is ever made.
@@ -35,32 +40,47 @@ def load(
             there when it is not the CPU).
         dtype: compute dtype of the activations: float32 (default on CPU), bfloat16 (default
             elsewhere) or float16. Logits are float32 regardless.
-        max_context: KV cache length in tokens (default ``min(context_length, 4096)``).
+        max_context: KV cache length in tokens (default ``min(context_length, 4096)``); at most
+            the file's ``context_length`` unless ``extend_context``.
         kv_dtype: KV cache element type, llama.cpp's names: ``"f32"``, ``"f16"``, ``"bf16"`` or
             ``"q8_0"`` (34-byte blocks of 32 values, an f16 scale and int8 codes), or a torch
             float dtype. Default: ``"f16"`` on CPU (half the bytes of float32 that decode
             attention reads per token), the compute ``dtype`` elsewhere. Attention converts
             cache rows to float32; scores, softmax and P*V are float32 whatever this is.
+        extend_context: allow ``max_context`` above ``context_length`` (the model was not trained
+            for such positions; the cache costs memory proportional to it).
 
     Returns:
         :class:`~hanzo_torch.models.qwen.Transformer` in eval mode; ``model(input_ids[B, T])``
-        gives float32 logits ``[B, T, V]``; ``model.tokenizer``, ``model.generate(...)``,
-        ``model.reset()``.
+        gives float32 logits ``[B, T, V]``; ``model.tokenizer`` (built and checked here),
+        ``model.generate(...)``, ``model.reset()``.
 
     Raises:
-        GGUFError: not a GGUF file, unsupported or missing architecture, missing metadata key,
-            a missing or unexpected tensor, or a tensor whose shape does not match the config.
-        ValueError: bad ``max_context``, ``dtype`` or ``kv_dtype`` (q8_0 needs a head dim that is a
-            multiple of 32).
+        GGUFError: anything wrong with the file, naming it and the key or tensor: not a GGUF file
+            or not a regular file, unsupported or missing architecture, a missing metadata key or
+            one of the wrong type, an out-of-range or inconsistent hyper-parameter, a missing,
+            unexpected or wrongly shaped tensor, non-finite norm weights or biases, a broken
+            tokenizer (vocabulary size different from the embedding rows, special token ids
+            out of range or not integers, malformed merges or token types, a chat template that
+            is not a string or does not compile). The first forward also raises it for
+            non-finite or constant logits.
+        ValueError: bad ``max_context`` (<= 0, or above ``context_length`` without
+            ``extend_context``), ``dtype`` or ``kv_dtype`` (q8_0 needs a head dim that is a
+            multiple of 32), or a malformed ``HANZO_CPU_ISA``.
+        TypeError: ``max_context``/``extend_context`` of the wrong type, ``dtype`` not a torch dtype.
+        OSError: the file cannot be opened.
     """
     from ..gguf_file import GGUFError, GGUFFile
 
     device = torch.device(device)
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     kv_name = _kv_dtype_name(kv_dtype, device, dtype)
+    check_max_context(max_context, 2**63, extend_context)  # types and sign, before any work
     from .. import backends
 
     backends.check_environment()
@@ -68,11 +88,9 @@ def load(
     # loading, not to the first forward's timing.
     backends.activate(device.type)
     f = GGUFFile(path, dtype=dtype)
-    args = ModelArgs.from_gguf(f)
-    if max_context is None:
-        max_context = min(args.context_length, DEFAULT_MAX_CONTEXT)
-    if not isinstance(max_context, int) or max_context <= 0:
-        raise ValueError(f"max_context must be a positive int, got {max_context!r}")
+    args = ModelArgs.from_gguf(f)  # validates the whole header before anything is built
+    max_context = check_max_context(max_context, args.context_length, extend_context)
+    tokenizer = load_tokenizer(f, args.vocab_size)
 
     if kv_name == "q8_0" and args.head_dim % 32:
         raise ValueError(f"{f.path}: kv_dtype q8_0 needs a head dim that is a multiple of 32, got {args.head_dim}")
@@ -94,6 +112,8 @@ def load(
             )
         if t.dim() == 1:  # norm weights and biases: small, dense
             t = t.dequantize(dtype)
+            if not bool(torch.isfinite(t).all()):
+                raise GGUFError(f"{f.path}: tensor {name!r} holds NaN or inf (in {dtype})")
         _assign(model, name, t if t.device == device else t.to(device))
         used.add(name)
     unexpected = sorted(set(tensors) - used)
@@ -102,6 +122,7 @@ def load(
     if args.tied_embeddings:
         model.output.weight = model.token_embd.weight
     model.gguf = f
+    model._tokenizer = tokenizer
     if device.type == "cpu":
         f.prefetch()  # embedding rows would otherwise be read from disk inside decode steps
     return model.eval()

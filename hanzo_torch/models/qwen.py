@@ -26,7 +26,6 @@ synchronizes with the host when positions are passed in.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,92 +35,9 @@ from torch import Tensor
 
 from ..ops.fused import KV_CACHE_DTYPES, kv_cache_shape
 from ..tensor import GGUFTensor
+from .config import ARCHITECTURES, DEFAULT_MAX_CONTEXT, ModelArgs  # noqa: F401 (re-exported)
 
 hanzo = torch.ops.hanzo
-
-DEFAULT_MAX_CONTEXT = 4096  # KV cache length when the caller gives none (capped by the file's context_length)
-
-# Architecture name (``general.architecture``) -> the flags that set it apart.
-ARCHITECTURES: dict[str, dict] = {
-    "qwen2": dict(qkv_bias=True, qk_norm=False, moe=False),
-    "qwen3": dict(qkv_bias=False, qk_norm=True, moe=False),
-    "qwen3moe": dict(qkv_bias=False, qk_norm=True, moe=True),
-}
-
-
-@dataclass
-class ModelArgs:
-    """Hyper-parameters, read from GGUF metadata only (:meth:`from_gguf`)."""
-
-    arch: str
-    n_layer: int
-    dim: int  # hidden size
-    n_head: int
-    n_head_kv: int
-    head_dim: int  # attention.key_length; NOT dim // n_head in Qwen3
-    ffn_dim: int  # dense SwiGLU width
-    vocab_size: int
-    context_length: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    moe: bool = False
-    n_expert: int = 0
-    n_expert_used: int = 0
-    expert_ffn_dim: int = 0
-    tied_embeddings: bool = False  # no output.weight: the LM head is token_embd
-
-    @classmethod
-    def from_gguf(cls, f) -> "ModelArgs":
-        """Config of a :class:`~hanzo_torch.GGUFFile` from its ``{arch}.*`` keys.
-
-        Raises:
-            GGUFError: unknown/missing architecture, a missing key, or inconsistent values.
-        """
-        from ..gguf_file import GGUFError
-
-        arch = f.architecture
-        if arch is None:
-            raise GGUFError(f"{f.path}: no general.architecture key; cannot tell which model this is")
-        if arch not in ARCHITECTURES:
-            raise GGUFError(
-                f"{f.path}: unsupported architecture {arch!r}; hanzo_torch.load supports "
-                f"{', '.join(sorted(ARCHITECTURES))}"
-            )
-        flags = ARCHITECTURES[arch]
-        n_head = f.get_int(f"{arch}.attention.head_count")
-        dim = f.get_int(f"{arch}.embedding_length")
-        head_dim = f.get_int(f"{arch}.attention.key_length", dim // n_head)
-        v_dim = f.get_int(f"{arch}.attention.value_length", head_dim)
-        if v_dim != head_dim:
-            raise GGUFError(f"{f.path}: attention.value_length {v_dim} != key_length {head_dim} is not supported")
-        if "token_embd.weight" not in f.tensor_info:
-            raise GGUFError(f"{f.path}: missing tensor 'token_embd.weight'")
-        args = cls(
-            arch=arch,
-            n_layer=f.get_int(f"{arch}.block_count"),
-            dim=dim,
-            n_head=n_head,
-            n_head_kv=f.get_int(f"{arch}.attention.head_count_kv", n_head),
-            head_dim=head_dim,
-            ffn_dim=f.get_int(f"{arch}.feed_forward_length"),
-            vocab_size=f.tensor_info["token_embd.weight"].shape[0],
-            context_length=f.get_int(f"{arch}.context_length"),
-            rope_theta=f.get_float(f"{arch}.rope.freq_base", 10000.0),
-            norm_eps=f.get_float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-            tied_embeddings="output.weight" not in f.tensor_info,
-            **flags,
-        )
-        if args.moe:
-            args.n_expert = f.get_int(f"{arch}.expert_count")
-            args.n_expert_used = f.get_int(f"{arch}.expert_used_count")
-            args.expert_ffn_dim = f.get_int(f"{arch}.expert_feed_forward_length")
-            if not 0 < args.n_expert_used <= args.n_expert:
-                raise GGUFError(f"{f.path}: expert_used_count {args.n_expert_used} not in [1, {args.n_expert}]")
-        if n_head % args.n_head_kv:
-            raise GGUFError(f"{f.path}: head_count {n_head} is not a multiple of head_count_kv {args.n_head_kv}")
-        return args
 
 
 class Weight(nn.Module):
@@ -253,6 +169,7 @@ class Transformer(nn.Module):
         self.seq_len = 0  # tokens fed since reset() (host-side; None when unknown)
         self.gguf = None  # the GGUFFile the weights are mapped from (set by load)
         self._tokenizer = None
+        self._logits_checked = False  # the first forward of a loaded model checks its logits once
 
     @property
     def device(self) -> torch.device:
@@ -342,6 +259,8 @@ class Transformer(nn.Module):
             ValueError: the sequence would exceed ``max_context`` (checked on the host for
                 ``positions=None`` and for CPU positions), bad shapes, or a batch size change
                 mid-sequence.
+            GGUFError: on the first forward of a loaded model only, logits that are not finite or
+                identical for every token (weights that are NaN/inf or overflow).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -354,12 +273,35 @@ class Transformer(nn.Module):
         x, _ = hanzo.add_rms_norm(x, residual, self.output_norm.weight, self.args.norm_eps)  # [B, T, H]
         if last_only:
             x = x[:, -1:]
-        return self.output(x).float()  # [B, T, V]
+        logits = self.output(x).float()  # [B, T, V]
+        if not self._logits_checked and self.gguf is not None:
+            self._check_logits(logits)
+        return logits
+
+    def _check_logits(self, logits: Tensor) -> None:
+        # One host sync on the first forward of a loaded model: weights holding NaN/inf, or
+        # values large enough to overflow a norm, give non-finite or constant logits (every
+        # activation normalized to 0), which would otherwise decode as token 0 repeated.
+        if torch.compiler.is_compiling() or (logits.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        from ..gguf_file import GGUFError
+
+        if logits.numel() == 0:
+            return
+        if not bool(torch.isfinite(logits).all()):
+            raise GGUFError(f"{self.gguf.path}: the model's first logits contain NaN or inf: its weights "
+                            "hold non-finite values or overflow the compute dtype")
+        if logits.shape[-1] > 1 and bool((logits.amax(-1) == logits.amin(-1)).all()):
+            raise GGUFError(f"{self.gguf.path}: the model's first logits are the same for every token: its "
+                            "weights or norms overflow (activations normalized to zero)")
+        self._logits_checked = True
 
     # ------------------------------------------------------------------ text
     @property
     def tokenizer(self):
-        """The file's tokenizer (:class:`hanzo_torch.tokenizer.Tokenizer`), built on first use."""
+        """The file's tokenizer (:class:`hanzo_torch.tokenizer.Tokenizer`), built and checked by
+        :func:`~hanzo_torch.load` (a file without ``tokenizer.ggml.merges`` has none: asking for
+        it raises TokenizerError naming the file)."""
         if self._tokenizer is None:
             from ..tokenizer import Tokenizer
 
