@@ -173,10 +173,11 @@ def test_non_finite_weights(bases, tmp_path):
     with pytest.raises(GGUFError, match="'blk.0.attn_norm.weight' holds NaN or inf"):
         hanzo_torch.load(mutant(tmp_path, b, tensors={"blk.0.attn_norm.weight": norm}))
     # finite in float32, but the residual overflows: the next RMSNorm divides by sqrt(inf) and
-    # every logit is 0 (the model used to print token 0 repeated and exit 0)
+    # every logit is 0 (the model used to print token 0 repeated and exit 0); with an f16 KV cache
+    # the keys overflow first and the logits are NaN: either way a GGUFError, not garbage
     big = torch.full_like(norm, 1e30)
     model = hanzo_torch.load(mutant(tmp_path, b, tensors={"blk.0.attn_norm.weight": big}, name="big.gguf"))
-    with pytest.raises(GGUFError, match="first logits are the same for every token"):
+    with pytest.raises(GGUFError, match="first logits (are the same for every token|contain NaN or inf)"):
         model.generate("hello", max_new_tokens=1, temperature=0)
     model = hanzo_torch.load(mutant(tmp_path, b, tensors={"blk.0.ffn_norm.weight": big}, name="big2.gguf"))
     with pytest.raises(GGUFError, match="first logits contain NaN or inf"):
