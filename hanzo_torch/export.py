@@ -43,6 +43,7 @@ __all__ = [
     "ExportResult",
     "export_program",
     "export_mlir",
+    "lower_to_mlir",
     "compile_iree",
     "IreeModel",
     "mlir_available",
@@ -512,35 +513,95 @@ def export_mlir(
         RuntimeError: torch-mlir could not lower the program.
     """
     _require_mlir()
+    path = os.fspath(path)
+    programs = {"prefill": export_program(model, prefill_len, batch_size),
+                "decode": export_program(model, 1, batch_size)}
+    lower_to_mlir(programs, path)
+    from .tensor import GGUFTensor
+
+    packed = {p.packed.data_ptr(): p.packed.numel() for p in model.parameters() if isinstance(p, GGUFTensor)}
+    return ExportResult(path=path, file_bytes=os.path.getsize(path), prefill_len=prefill_len,
+                        max_context=model.max_context, batch_size=batch_size, n_layer=model.args.n_layer,
+                        packed_weight_bytes=sum(packed.values()))
+
+
+_MLIR_ELEMENT = {torch.uint8: "ui8", torch.int8: "si8", torch.int32: "si32", torch.int64: "si64",
+                 torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def _literal_hooks(ir):
+    """torch-mlir importer hooks that turn each weight into a constant once per module.
+
+    torch-mlir's own conversion copies a tensor through a Python list (hours and tens of GB for a
+    1 GB weight) and makes one constant per tensor object, so the same weight seen by two
+    functions would be stored twice; here the bytes go to the MLIR resource straight from the
+    tensor's memory and one resource is shared by every use of the same data.
+    """
+    from torch_mlir.extras.fx_importer import FxImporterHooks
+
+    class Hooks(FxImporterHooks):
+        def __init__(self):
+            self._attrs: dict = {}
+
+        def resolve_literal(self, gni, literal, info):
+            if not isinstance(literal, torch.Tensor) or literal.numel() <= 1 or literal.dtype not in _MLIR_ELEMENT:
+                return None  # torch-mlir's default (scalars, splats)
+            t = literal.detach()
+            elt = _MLIR_ELEMENT[t.dtype]
+            dims = "x".join(str(d) for d in t.shape)
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            attr = self._attrs.get(key)
+            if attr is None:
+                arr = t.contiguous().numpy() if t.dtype != torch.bfloat16 else t.contiguous().view(torch.int16).numpy()
+                attr = ir.DenseResourceElementsAttr.get_from_buffer(
+                    memoryview(arr.reshape(-1).view("uint8")), f"hanzo_weight_{len(self._attrs)}",
+                    ir.Type.parse(f"tensor<{dims}x{elt}>"))
+                self._attrs[key] = attr, arr  # the attribute reads arr's memory: keep it alive
+            else:
+                attr = attr[0]
+            vtype = ir.Type.parse(f"!torch.vtensor<[{dims.replace('x', ',')}],{elt}>")
+            return ir.Operation.create("torch.vtensor.literal", results=[vtype], attributes={"value": attr}).result
+
+    return Hooks
+
+
+def lower_to_mlir(programs: dict, path: Union[str, "os.PathLike[str]"]) -> None:
+    """Lower ``{function name: ExportedProgram}`` (from :func:`export_program`) through torch-mlir
+    into one ``linalg-on-tensors`` module written to ``path`` (``.mlirbc``: bytecode, else text).
+
+    Parameters and buffers are frozen into the module as constants.
+
+    Raises:
+        ImportError: torch-mlir is not installed.
+        RuntimeError: torch-mlir could not lower a program (its diagnostics included).
+    """
+    _require_mlir()
     from torch_mlir import fx as tm_fx
     from torch_mlir import ir
+    from torch_mlir.compiler_utils import TorchMlirCompilerError
     from torch_mlir.dialects import torch as torch_d
     from torch_mlir.extras.fx_importer import FxImporter
 
     path = os.fspath(path)
-    programs = [("prefill", export_program(model, prefill_len, batch_size)),
-                ("decode", export_program(model, 1, batch_size))]
     context = ir.Context()
     torch_d.register_dialect(context)
-    importer = FxImporter(context=context)
+    importer = FxImporter(context=context, hooks=_literal_hooks(ir)())
     module = None
-    for i, (name, ep) in enumerate(programs):
-        last = i == len(programs) - 1
-        # both programs go into one module; the lowering runs once, on the last call
-        module = tm_fx.export_and_import(ep, fx_importer=importer, func_name=name, decomposition_table={},
-                                         output_type="linalg-on-tensors" if last else "raw")
+    items = list(programs.items())
+    try:
+        for i, (name, ep) in enumerate(items):
+            last = i == len(items) - 1
+            # every program goes into one module; the lowering runs once, on the last call
+            module = tm_fx.export_and_import(ep, fx_importer=importer, func_name=name, decomposition_table={},
+                                             output_type="linalg-on-tensors" if last else "raw")
+    except TorchMlirCompilerError as e:
+        raise RuntimeError(f"torch-mlir could not lower the exported program: {e}") from None
     if path.endswith(".mlirbc"):
         with open(path, "wb") as f:
             module.operation.write_bytecode(f)
     else:
         with open(path, "w") as f:
             f.write(module.operation.get_asm(large_elements_limit=None, enable_debug_info=False))
-    from .tensor import GGUFTensor
-
-    packed = {id(p): p.packed.numel() for p in model.parameters() if isinstance(p, GGUFTensor)}
-    return ExportResult(path=path, file_bytes=os.path.getsize(path), prefill_len=prefill_len,
-                        max_context=model.max_context, batch_size=batch_size, n_layer=model.args.n_layer,
-                        packed_weight_bytes=sum(packed.values()))
 
 
 def compile_iree(mlir_path: Union[str, "os.PathLike[str]"], vmfb_path: Optional[str] = None,

@@ -2,8 +2,10 @@
 
 The default suite executes every notebook (nbclient, a fresh ipykernel per notebook) on a tiny
 random-weight qwen3 file written here (``HANZO_NOTEBOOK_MODEL``) with ``HANZO_NOTEBOOK_QUICK=1``
-(small sizes, torch.compile with aot_eager). The torch-mlir/IREE cell of compile_and_export runs
-there when the ``[mlir]`` extra is installed. The slow-marked test runs them on the real model.
+(small sizes, torch.compile with aot_eager) and ``HANZO_NOTEBOOK_MLIR=0``: the torch-mlir + IREE
+cell of compile_and_export is skipped there (an IREE compile takes tens of seconds; the same path
+is tested in tests/test_export.py). Slow-marked tests run every cell, MLIR included, on the tiny
+model and on the real model.
 A cell that raises (the notebooks assert what they print) fails the test with the cell's error.
 """
 from __future__ import annotations
@@ -66,7 +68,15 @@ def tiny_model(tmp_path_factory):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_on_a_tiny_model(path, tiny_model, monkeypatch):
-    _run(path, {"HANZO_NOTEBOOK_MODEL": str(tiny_model), "HANZO_NOTEBOOK_QUICK": "1"}, monkeypatch)
+    _run(path, {"HANZO_NOTEBOOK_MODEL": str(tiny_model), "HANZO_NOTEBOOK_QUICK": "1", "HANZO_NOTEBOOK_MLIR": "0"},
+         monkeypatch)
+
+
+@pytest.mark.slow
+def test_compile_and_export_runs_mlir_on_a_tiny_model(tiny_model, monkeypatch):
+    monkeypatch.delenv("HANZO_NOTEBOOK_MLIR", raising=False)
+    _run(ROOT / "notebooks" / "compile_and_export.ipynb",
+         {"HANZO_NOTEBOOK_MODEL": str(tiny_model), "HANZO_NOTEBOOK_QUICK": "1"}, monkeypatch)
 
 
 @pytest.mark.slow
@@ -74,4 +84,5 @@ def test_notebook_runs_on_a_tiny_model(path, tiny_model, monkeypatch):
 def test_notebook_runs_on_the_real_model(path, monkeypatch):
     monkeypatch.delenv("HANZO_NOTEBOOK_MODEL", raising=False)
     monkeypatch.delenv("HANZO_NOTEBOOK_QUICK", raising=False)
+    monkeypatch.delenv("HANZO_NOTEBOOK_MLIR", raising=False)
     _run(path, {}, monkeypatch)
