@@ -5,8 +5,10 @@ keeps them cannot be lowered by torch-mlir (``torch.operator "torch.hanzo.mul_ma
 legalize). :data:`DECOMPOSITIONS` replaces each op with a composition of aten ops that any
 compiler understands: packed weights stay ``uint8`` and are unpacked inside the program with
 integer aten ops (shifts, masks, gathers from small codebook constants) right before their
-matmul, exactly as the references in :mod:`hanzo_torch.ops` do. The weights are never expanded to
-float32 in the exported program; the constants it holds are the GGUF's bytes.
+matmul, the maths of the references in :mod:`hanzo_torch.ops` with static shapes only (no host
+reads of data: ids are clamped, attention masks the whole cache, the KV write is a one-hot
+contraction instead of a scatter). The weights are never expanded to float32 in the exported
+program; the constants it holds are the GGUF's bytes.
 
 Programs (:func:`export_program`):
 
@@ -26,7 +28,6 @@ and :class:`IreeModel` compile it with IREE for ``llvm-cpu`` and run it.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -266,7 +267,10 @@ def _decompositions() -> dict:
 
 DECOMPOSITIONS: dict = _decompositions()
 """``{op overload: trace-friendly aten composition}`` for every ``torch.ops.hanzo`` op (and
-``aten.view.dtype`` between byte widths), for ``ExportedProgram.run_decompositions``."""
+``aten.view.dtype`` between byte widths). :func:`export_program` applies it while tracing (a
+``TorchFunctionMode``), not with ``ExportedProgram.run_decompositions``: the codebook and
+shift-table constants the format decoders use would be traced as tensor constants that
+``run_decompositions`` does not register (``SpecViolationError``)."""
 
 
 class _Decompose(TorchFunctionMode):
@@ -637,29 +641,36 @@ def compile_iree(mlir_path: Union[str, "os.PathLike[str]"], vmfb_path: Optional[
 class IreeModel:
     """A compiled export run with the IREE runtime on the local CPU (``local-task`` driver).
 
-    ``IreeModel(vmfb_bytes, n_layer)`` keeps the KV caches between calls:
-    ``prefill(ids, positions)`` / ``decode(ids, positions)`` return float32 logits
-    ``[B, T, V]`` as a torch tensor, like ``model(ids, positions)``.
+    Keeps the KV caches between calls: ``prefill(ids, positions)`` / ``decode(ids, positions)``
+    return float32 logits ``[B, T, V]`` as a torch tensor, like ``model(ids, positions)``.
+    Build it with :meth:`from_model`.
+
+    Args:
+        vmfb: the output of :func:`compile_iree`.
+        result: the :class:`ExportResult` of the module.
+        cache_shape: ``(B, S, Hk, D)`` of each KV cache; ``dtype``: their dtype.
     """
 
-    def __init__(self, vmfb: bytes, result: ExportResult, dtype: torch.dtype = torch.float32,
-                 n_head_kv: Optional[int] = None, head_dim: Optional[int] = None, driver: str = "local-task"):
+    def __init__(self, vmfb: bytes, result: ExportResult, cache_shape: Sequence[int],
+                 dtype: torch.dtype = torch.float32, driver: str = "local-task"):
         _require_mlir()
         import iree.runtime as ireert
 
-        config = ireert.Config(driver)
-        self._ctx = ireert.SystemContext(config=config)
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"IreeModel: KV caches of {dtype} are not supported (float32 or float16)")
+        self._ctx = ireert.SystemContext(config=ireert.Config(driver))
         self._ctx.add_vm_module(ireert.VmModule.copy_buffer(self._ctx.instance, vmfb))
         self._module = self._ctx.modules.module
         self.result = result
-        self._cache_shape = (result.batch_size, result.max_context, n_head_kv, head_dim)
+        self._cache_shape = tuple(cache_shape)
         self._dtype = dtype
         self.reset()
 
     @classmethod
     def from_model(cls, vmfb: bytes, result: ExportResult, model) -> "IreeModel":
         """An :class:`IreeModel` whose caches have the shapes of ``model`` (the exported one)."""
-        return cls(vmfb, result, model.dtype, model.args.n_head_kv, model.args.head_dim)
+        a = model.args
+        return cls(vmfb, result, (result.batch_size, result.max_context, a.n_head_kv, a.head_dim), model.dtype)
 
     def reset(self) -> None:
         """Zero the KV caches (start a new sequence)."""
