@@ -60,9 +60,15 @@ def load(arch, root):
 
 @functools.cache
 def programs(arch: str, root: str):
-    """(model, prefill program, decode program): exporting costs seconds, so once per file."""
+    """(model, prefill program, decode program, the model's state before the export): exporting
+    costs seconds, so once per file."""
     model = load(arch, root)
-    return model, hx.export_program(model, seq_len=PREFILL), hx.export_program(model, seq_len=1)
+    ids, pos = prompt(arch)
+    before = eager_logits(model, ids, pos)[1]
+    k, state = model.blk[0].k_cache, (model.cache_batch_size, model.seq_len)
+    ep, dec = hx.export_program(model, seq_len=PREFILL), hx.export_program(model, seq_len=1)
+    kept = model.blk[0].k_cache is k and (model.cache_batch_size, model.seq_len) == state
+    return model, ep, dec, (before, kept)
 
 
 def prompt(arch):
@@ -106,7 +112,7 @@ def run_program(ep, model, ids, pos, caches):
 
 @pytest.mark.parametrize("arch", list(SPECS))
 def test_export_program_is_aten_only_packed_and_matches_eager(arch, root, monkeypatch):
-    model, ep, dec = programs(arch, root)
+    model, ep, dec, _ = programs(arch, root)
     ids, pos = prompt(arch)
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert not [t for t in targets if t.startswith("hanzo.")], targets
@@ -129,13 +135,9 @@ def test_export_program_is_aten_only_packed_and_matches_eager(arch, root, monkey
 
 
 def test_export_program_leaves_the_model_alone(root):
-    model = load("qwen3", root)
+    model, _, _, (before, kept) = programs("qwen3", root)
+    assert kept, "the export changed the model's KV cache or sequence state"
     ids, pos = prompt("qwen3")
-    before = eager_logits(model, ids, pos)[1]
-    model.setup_cache(1)
-    k = model.blk[0].k_cache
-    hx.export_program(model, seq_len=1)
-    assert model.blk[0].k_cache is k and model.cache_batch_size == 1
     torch.testing.assert_close(eager_logits(model, ids, pos)[1], before, rtol=0, atol=0)
 
 
@@ -166,7 +168,7 @@ needs_mlir = pytest.mark.skipif(mlir_reason is not None, reason=mlir_reason or "
 @needs_mlir
 @pytest.mark.parametrize("arch", list(SPECS))
 def test_mlir_export_runs_in_iree(arch, root, monkeypatch, tmp_path):
-    model, ep, dec = programs(arch, root)
+    model, ep, dec, _ = programs(arch, root)
     ids, pos = prompt(arch)
     out = tmp_path / f"{arch}.mlirbc"
     hx.lower_to_mlir({"prefill": ep, "decode": dec}, out)
@@ -176,6 +178,7 @@ def test_mlir_export_runs_in_iree(arch, root, monkeypatch, tmp_path):
     assert 0 < result.file_bytes < 2 * gguf_bytes, (result, gguf_bytes)
     print(f"{arch}: {out.name} {result.file_bytes} bytes, GGUF {gguf_bytes} bytes")
     vmfb = hx.compile_iree(out)
+    print(f"{arch}: vmfb {len(vmfb)} bytes")
     assert len(vmfb) < 2 * gguf_bytes, (len(vmfb), gguf_bytes)
     iree = hx.IreeModel.from_model(vmfb, result, model)
     got = iree.prefill(ids[:, :PREFILL], pos[:, :PREFILL])
@@ -205,12 +208,15 @@ def test_cli_export_without_the_extra(monkeypatch, root, tmp_path, capsys):
 
 
 @needs_mlir
-def test_cli_export_writes_the_module(root, tmp_path, capsys):
+def test_cli_export_writes_the_module(root, tmp_path, capsys, monkeypatch):
     from hanzo_torch import cli
 
+    _, ep, dec, _ = programs("qwen3", root)
+    made = {PREFILL: ep, 1: dec}  # the programs of these arguments, exported once for this module
+    monkeypatch.setattr(hx, "export_program", lambda model, seq_len, batch_size=1: made[seq_len])
     out = tmp_path / "m.mlir"
     assert cli.main(["export", tiny_file("qwen3", root), "-o", str(out), "-c", str(MAX_CONTEXT),
-                     "--prefill-len", "2"]) == 0
+                     "--prefill-len", str(PREFILL)]) == 0
     text = out.read_text()
     assert "func.func @prefill" in text and "func.func @decode" in text and "torch.operator" not in text
     assert "x the GGUF" in capsys.readouterr().out
