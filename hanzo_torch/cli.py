@@ -128,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generation lengths to test, 0 = skip (default 32)")
     b.add_argument("-r", "--repetitions", type=_positive_int, default=3, metavar="R", help="runs per test (default 3)")
     b.add_argument("--warmup", type=int, default=1, metavar="W", help="untimed runs before each test (default 1)")
+
+    e = sub.add_parser("export", help="write the prefill and decode step as a torch-mlir linalg-on-tensors module "
+                                      "(needs the [mlir] extra)")
+    e.add_argument("path", help="GGUF file")
+    e.add_argument("-o", "--output", required=True, metavar="PATH", help="MLIR file (.mlirbc: bytecode, else text)")
+    e.add_argument("-c", "--ctx-size", type=_positive_int, default=512, metavar="N",
+                   help="KV cache length S of the exported functions (default 512)")
+    e.add_argument("--prefill-len", type=_positive_int, default=16, metavar="T", help="tokens per prefill call (default 16)")
+    e.add_argument("--vmfb", metavar="PATH", help="also compile it with IREE for llvm-cpu into this .vmfb")
     return parser
 
 
@@ -492,7 +501,33 @@ def cmd_bench(args) -> int:
     return 0
 
 
-_COMMANDS = {"generate": cmd_generate, "pull": cmd_pull, "inspect": cmd_inspect, "bench": cmd_bench}
+def cmd_export(args) -> int:
+    from . import export, load
+
+    path = _check_gguf_path(args.path)
+    if args.prefill_len > args.ctx_size:
+        _die(f"--prefill-len {args.prefill_len} exceeds -c {args.ctx_size}")
+    reason = export.mlir_available()
+    if reason is not None:
+        _die(reason)
+    model = load(path, max_context=args.ctx_size)
+    try:
+        r = export.export_mlir(model, args.output, prefill_len=args.prefill_len)
+        if args.vmfb:
+            export.compile_iree(r.path, args.vmfb)
+    except RuntimeError as exc:  # a lowering or IREE compile failure: its message says where
+        _die(str(exc))
+    gguf = path.stat().st_size
+    print(f"wrote {r.path}: {_fmt_bytes(r.file_bytes)} ({r.file_bytes / gguf:.2f}x the GGUF's {_fmt_bytes(gguf)}; "
+          f"packed weights {_fmt_bytes(r.packed_weight_bytes)}), functions prefill (T={r.prefill_len}) and "
+          f"decode (T=1), KV cache length {r.max_context}")
+    if args.vmfb:
+        print(f"wrote {args.vmfb}: {_fmt_bytes(os.path.getsize(args.vmfb))}")
+    return 0
+
+
+_COMMANDS = {"generate": cmd_generate, "pull": cmd_pull, "inspect": cmd_inspect, "bench": cmd_bench,
+             "export": cmd_export}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
