@@ -191,9 +191,13 @@ def test_decode_step_capture_cache_and_fallback(files, monkeypatch):
     assert b.stats.cuda_graph and len(captures) == 1 and a.token_ids == b.token_ids  # reused
     ref = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True, cuda_graph=False)
     assert not ref.stats.cuda_graph and ref.token_ids == a.token_ids
-    model.setup_cache(1)  # new KV cache buffers: the old capture no longer applies
+    # new KV cache buffers at new addresses (the old ones are kept alive, else the allocator may
+    # hand the same memory back, and then the capture still applies): a new capture
+    old_caches = [(blk.k_cache, blk.v_cache) for blk in model.blk]
+    model.setup_cache(1)
     model.generate([5, 6, 7], 3, temperature=0, ignore_eos=True)
     assert len(captures) == 2
+    del old_caches
 
     def broken(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
