@@ -5,8 +5,11 @@ Public API:
                :data:`FORMATS`
     files:     :class:`GGUFFile`, :func:`save_gguf`, :class:`GGUFError`
     tensors:   :class:`GGUFTensor`
-    ops:       ``torch.ops.hanzo.*`` (registered on import of :mod:`hanzo_torch.ops`)
-    models:    :func:`load`, :func:`generate`, :func:`stream_generate`, :class:`Tokenizer`, :func:`pull`
+    ops:       ``torch.ops.hanzo.*`` (registered on import of :mod:`hanzo_torch.ops`),
+               ``torch.ops.hanzo_ref.*`` (the references), :func:`hanzo_torch.ops.use_reference`
+    backends:  :func:`hanzo_torch.backends.status`, :func:`hanzo_torch.backends.cpu.use_isa`
+    models:    :func:`load`, :func:`generate`, :func:`stream_generate`, :class:`Tokenizer`, :func:`pull`,
+               :class:`hanzo_torch.cuda_graphs.DecodeStep`
 """
 import os as _os
 import sys as _sys
@@ -26,9 +29,11 @@ from .formats.q8_1 import quantize_q8_1, dequantize_q8_1  # noqa: F401
 from .gguf_file import GGUFError, GGUFFile, save_gguf  # noqa: F401
 from .tensor import GGUFTensor  # noqa: F401
 from . import ops  # noqa: F401  (registers torch.ops.hanzo.*)
+from . import backends  # noqa: F401  (status(), activate(); each backend loads on first use)
 from .models import load  # noqa: F401
 from .tokenizer import Tokenizer  # noqa: F401
 from .generation import generate, stream_generate  # noqa: F401
 from .hub import pull  # noqa: F401
+from . import cuda_graphs  # noqa: F401  (DecodeStep)
 
 __version__ = "0.1.0"
