@@ -37,7 +37,7 @@ from .formats import GROUP_LEN, _name, format_info, format_table, group_code, gr
 
 MATVEC_MAX_M = 8
 """Largest number of activation rows that takes the mat-vec path (decode); above: tiled GEMM.
-From the issue brief (M <= 8: decode batch sizes); retune on a GPU with benchmarks/triton_gpu_check.py."""
+M <= 8 (decode batch sizes); retune on a GPU with benchmarks/triton_gpu_check.py."""
 
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
