@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from byte_mutations import mutate
+
 MEMORY_LIMIT = 4 << 30  # address space of a case (the torch import itself maps ~1 GB)
 
 _INTS = [0, 1, 2, 3, 5, 7, 31, 32, 33, 63, 64, 65, 127, 128, 255, 256, 262, 263, 264, 1000, 4095, 4096,
@@ -279,25 +281,7 @@ _SMASH = [0, 1, 2, 3, 0x7F, 0x80, 0xFF, 0x100, 0xFFFF, 0x10000, 2**31 - 1, 2**31
 
 
 def byte_mutation(base: Base, rng: random.Random) -> tuple[bytes, str]:
-    buf = bytearray(base.raw)
-    kind = rng.choice(["byte", "byte", "bits", "int", "int", "truncate", "insert", "delete", "data"])
-    hot = lambda: rng.randrange(base.header_end) if rng.random() < 0.9 else rng.randrange(len(buf))  # noqa: E731
-    if kind == "byte":
-        spots = [hot() for _ in range(rng.randint(1, 4))]
-        for i in spots:
-            buf[i] = rng.randrange(256)
-        return bytes(buf), f"bytes byte@{spots}"
-    if kind == "bits":
-        i = hot()
-        buf[i] ^= 1 << rng.randrange(8)
-        return bytes(buf), f"bytes bitflip@{i}"
-    if kind == "int":
-        i = hot()
-        width = rng.choice([2, 4, 8])
-        v = rng.choice(_SMASH + [rng.randrange(2 ** (8 * width))]) % 2 ** (8 * width)
-        buf[i: i + width] = v.to_bytes(width, "little")
-        return bytes(buf[: len(base.raw)]), f"bytes u{8 * width}={v}@{i}"
-    if kind == "data":  # tensor data: NaN/inf/huge float32 patterns
+    def data(buf: bytearray) -> tuple[bytes, str]:  # tensor data: NaN/inf/huge float32 patterns
         i = rng.randrange(base.header_end, len(buf) - 4)
         pat = struct.pack("<f", rng.choice(_TENSOR_VALUES))
         n = rng.choice([1, 1, 16, 256])
@@ -305,16 +289,12 @@ def byte_mutation(base: Base, rng: random.Random) -> tuple[bytes, str]:
             o = i + 4 * j
             if o + 4 <= len(buf):
                 buf[o: o + 4] = pat
-        return bytes(buf), f"bytes data x{n}@{i}"
-    if kind == "truncate":
-        n = rng.randrange(len(buf))
-        return bytes(buf[:n]), f"bytes truncate@{n}"
-    i, n = hot(), rng.randint(1, 16)
-    if kind == "insert":
-        buf[i:i] = bytes(rng.randrange(256) for _ in range(n))
-        return bytes(buf), f"bytes insert{n}@{i}"
-    del buf[i: i + n]
-    return bytes(buf), f"bytes delete{n}@{i}"
+        return bytes(buf), f"data x{n}@{i}"
+
+    out, how = mutate(base.raw, base.header_end, rng,
+                      kinds=["byte", "byte", "bits", "int", "int", "truncate", "insert", "delete", "data"],
+                      widths=[2, 4, 8], smash=_SMASH, extra={"data": data})
+    return out, f"bytes {how}"
 
 
 def run_path(path: str) -> str:

@@ -10,7 +10,6 @@ import math
 import os
 import random
 import signal
-import struct
 import time
 
 import gguf
@@ -20,6 +19,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType as VT
 
 from hanzo_torch import GGUFError, GGUFFile, GGUFTensor, save_gguf
+
+from byte_mutations import mutate
 
 N_CASES = 3000
 SEED = 20240601
@@ -86,33 +87,8 @@ _SMASH = [0, 1, 2, 3, 5, 0x7F, 0x80, 0xFF, 0x100, 0xFFFF, 2**31 - 1, 2**31, 2**3
 
 
 def _mutate(raw: bytes, header_end: int, rng: random.Random) -> tuple[bytes, str]:
-    buf = bytearray(raw)
-    kind = rng.choice(["byte", "byte", "bits", "int", "int", "truncate", "insert", "delete"])
-    hot = lambda: rng.randrange(header_end) if rng.random() < 0.9 else rng.randrange(len(buf))  # noqa: E731
-    if kind == "byte":
-        spots = [hot() for _ in range(rng.randint(1, 4))]
-        for i in spots:
-            buf[i] = rng.randrange(256)
-        return bytes(buf), f"byte@{spots}"
-    if kind == "bits":
-        i = hot()
-        buf[i] ^= 1 << rng.randrange(8)
-        return bytes(buf), f"bitflip@{i}"
-    if kind == "int":
-        i = hot()
-        width = rng.choice([4, 8])
-        v = rng.choice(_SMASH + [len(raw), len(raw) * 2, rng.randrange(2 ** (8 * width))]) % 2 ** (8 * width)
-        buf[i : i + width] = struct.pack("<I" if width == 4 else "<Q", v)
-        return bytes(buf[: len(raw)]), f"u{8 * width}={v}@{i}"
-    if kind == "truncate":
-        n = rng.randrange(len(raw))
-        return bytes(buf[:n]), f"truncate@{n}"
-    i, n = hot(), rng.randint(1, 16)
-    if kind == "insert":
-        buf[i:i] = bytes(rng.randrange(256) for _ in range(n))
-        return bytes(buf), f"insert{n}@{i}"
-    del buf[i : i + n]
-    return bytes(buf), f"delete{n}@{i}"
+    return mutate(raw, header_end, rng, kinds=["byte", "byte", "bits", "int", "int", "truncate", "insert", "delete"],
+                  widths=[4, 8], smash=_SMASH + [len(raw), len(raw) * 2])
 
 
 def _same(a, b) -> bool:
