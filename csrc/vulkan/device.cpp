@@ -688,6 +688,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("flush", &hz::vk::flush);
   m.def("profiling", &hz::vk::profiling);
+  m.def("set_profiling", &hz::vk::set_profiling);
   m.def("profile", &hz::vk::profile_dict, "counters since the last call, reset");
   m.def("memory_stats", &hz::vk::memory_dict);
   m.def("empty_cache", &hz::vk::empty_cache);

@@ -47,7 +47,7 @@ NAME = "vulkan"
 DEVICE_TYPES = ("vulkan",)
 
 __all__ = ["NAME", "DEVICE_TYPES", "claim_device", "build", "extension", "available", "status", "formats", "register",
-           "synchronize", "profile", "profiling", "memory_stats", "empty_cache", "features", "fallback_ops",
+           "synchronize", "profile", "profiling", "set_profiling", "memory_stats", "empty_cache", "features", "fallback_ops",
            "spv_dir", "GLSLC_FLAGS"]
 
 GLSLC_FLAGS = ("--target-env=vulkan1.2", "-O")
@@ -347,6 +347,12 @@ def synchronize() -> None:
 def profiling() -> bool:
     """True when ``HANZO_VK_PROFILE=1`` was set when the runtime started."""
     return bool(_need().profiling())
+
+
+def set_profiling(enabled: bool) -> None:
+    """Turn the profile counters on or off in process (``HANZO_VK_PROFILE=1`` turns them on at
+    start); resets them."""
+    _need().set_profiling(bool(enabled))
 
 
 def profile() -> dict:
