@@ -381,7 +381,7 @@ class TextStream:
 Prompt = Union[str, Sequence[int], torch.Tensor, Sequence[Mapping[str, Any]]]
 
 
-def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int = 256, *,
+def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, *,
              temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K, top_p: float = DEFAULT_TOP_P,
              min_p: float = DEFAULT_MIN_P, repetition_penalty: float = 1.0,
              repeat_last_n: int = DEFAULT_REPEAT_LAST_N, seed: Optional[int] = None,
@@ -392,7 +392,7 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
     """Generate a continuation of a prompt with ``model``.
 
     Args:
-        model: a causal LM following the hanzo-torch model interface (module docstring).
+        model: a causal LM following the hanzo-torch model interface (:class:`CausalLM`).
         prompt_or_ids: text (encoded with the tokenizer, BOS added when the GGUF asks), token ids
             (list of ints or a 1-D / ``[1, T]`` integer tensor), or chat messages
             (``[{"role": ..., "content": ...}]``, rendered with the chat template;
@@ -476,7 +476,7 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
     return result_box[0]
 
 
-def stream_generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int = 256,
+def stream_generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256,
                     **kwargs: Any) -> TextStream:
     """``generate(..., stream=True)``: an iterator of text pieces with ``.stats``/``.result``."""
     return generate(model, prompt_or_ids, max_new_tokens, stream=True, **kwargs)

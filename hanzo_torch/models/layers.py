@@ -131,8 +131,9 @@ class PackedEmbedding(Embedding):
 class Experts(nn.Module):
     """Stacked expert projections ``weight [n_expert, out_features, in_features]``.
 
-    ``experts(x [T, in], ids int64 [T, k]) -> [T, k, out]``: token t through each of its k
-    chosen experts, ``x[t] @ weight[ids[t, j]]^T``.
+    ``experts(x, ids int64 [T, k]) -> [T, k, out]``: ``x[t] @ weight[ids[t, j]]^T``, token t
+    through each of its k chosen experts, for ``x [T, in]``; ``x[t, j] @ weight[ids[t, j]]^T``
+    for ``x [T, k, in]`` (one row per choice, as the down projection after the SwiGLU).
     """
 
     def __init__(self, n_expert: int, out_features: int, in_features: int):
@@ -141,7 +142,8 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, ids: Tensor) -> Tensor:
         w = self._parameters["weight"]
-        return torch.einsum("th,tkfh->tkf", x, w[ids].to(x.dtype))
+        rows = x.unsqueeze(1) if x.dim() == 2 else x  # [T, 1 or k, in]
+        return (w[ids].to(x.dtype) @ rows.unsqueeze(-1)).squeeze(-1)  # [T, k, out, in] @ [T, ., in, 1]
 
     def extra_repr(self) -> str:
         return "n_expert={}, out_features={}, in_features={}".format(*self.weight.shape)
