@@ -1,14 +1,14 @@
 """The layers of the models, each in two twins with the same parameter names and shapes.
 
-=================  ===========================  ============================================
-dense twin         packed twin                  forward
-=================  ===========================  ============================================
-:class:`Linear`    :class:`PackedLinear`        ``x @ weight^T (+ bias)``; ``swiglu(up, x)`` is
-                                                ``silu(x @ gate^T) * (x @ up^T)``
-:class:`Embedding` :class:`PackedEmbedding`     ``weight[ids]``
-:class:`Experts`   :class:`PackedExperts`       ``x @ weight[ids]^T``, per chosen expert
-:class:`RMSNorm`   (always dense)               ``hanzo::rms_norm`` / ``hanzo::add_rms_norm``
-=================  ===========================  ============================================
+====================  ==========================  ==========================================
+dense twin            packed twin                 forward
+====================  ==========================  ==========================================
+:class:`Linear`       :class:`PackedLinear`       ``x @ weight^T (+ bias)``; ``swiglu(up, x)``
+                                                  is ``silu(x @ gate^T) * (x @ up^T)``
+:class:`Embedding`    :class:`PackedEmbedding`    ``weight[ids]``
+:class:`Experts`      :class:`PackedExperts`      ``x @ weight[ids]^T``, per chosen expert
+:class:`RMSNorm`      (always dense)              ``hanzo::rms_norm`` / ``add_rms_norm``
+====================  ==========================  ==========================================
 
 A model is built from dense twins (on the meta device, so nothing is allocated);
 :func:`hanzo_torch.load` swaps in the packed twin of every layer (:func:`packed_twin`) and then
