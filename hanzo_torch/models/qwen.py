@@ -113,7 +113,8 @@ class Block(nn.Module):
 
 
 class Transformer(SequenceState, nn.Module):
-    """A Qwen2/Qwen3/Qwen3-MoE causal LM. Build with :func:`hanzo_torch.load`.
+    """A Qwen2/Qwen3/Qwen3-MoE causal LM. Build with :func:`hanzo_torch.load` (packed layers), or
+    as ``Transformer(args, max_context)`` with dense layers and ``load_state_dict`` float weights.
 
     ``model(input_ids[B, T], positions=None) -> float32 logits [B, T, V]``; see :meth:`forward`.
     ``kv_dtype`` is the KV cache element type (a key of ``KV_CACHE_DTYPES``; None: :attr:`dtype`),
