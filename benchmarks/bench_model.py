@@ -2,7 +2,8 @@
 
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
-        [--llama-bench PATH] [--no-llama-cpp] [--busy N] [--busy-kind spin|matmul] [--profile]
+        [--llama-bench PATH] [--no-llama-cpp] [--attention-ab] [--busy N] [--busy-kind spin|matmul]
+        [--profile]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
 per row per round, ``--reps`` rounds), so load on a shared machine hits them alike; the table gives
@@ -26,6 +27,11 @@ Rows (``--rows``, comma-separated; ``--pp 128,512`` / ``--tg 128`` are shorthand
   fed the same ids); tokens/s = N / total time of the N steps.
 - ``<row>@d<D>`` (e.g. ``tg32@d4096``, ``pp512@d2048``): the same after D context tokens already in
   the KV cache (fed untimed, in chunks of 512), llama-bench's ``-d D``.
+
+``--attention-ab`` adds our model once more with the earlier prompt attention kernel (two BLAS
+GEMMs per token tile instead of the flash-style tiles; ``use_attention_prefill("gemm")``), same
+weights, alternating with the others; its ratio column is flash / gemm. ``HANZO_ATTENTION_FALLBACK=1``
+(at start) runs the torch reference attention instead, for every hanzo-torch engine.
 
 ``--busy N`` starts N extra processes beside the engines for the whole run (the busy-machine
 case): ``--busy-kind spin`` (default) a Python busy loop each, ``matmul`` a one-thread float32
@@ -114,6 +120,22 @@ class Hanzo:
             for _ in range(row.n):
                 tok = m(tok, last_only=True)[:, -1].argmax(-1, keepdim=True)
             return row.n / (time.perf_counter() - t0)
+
+
+class HanzoGemmAttention:
+    """The same loaded model with the earlier prompt attention kernel (BLAS GEMM tiles) for calls of
+    T > 1 tokens: an in-process A/B of the attention kernels at model level (``--attention-ab``)."""
+
+    name = "hanzo-torch (gemm attention)"
+
+    def __init__(self, ours: Hanzo):
+        from hanzo_torch.backends.cpu import fused
+
+        self.ours, self.fused, self.version = ours, fused, ours.version
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        with self.fused.use_attention_prefill("gemm"):
+            return self.ours.measure(row, ctx, ids)
 
 
 class LlamaCpp:
@@ -307,6 +329,8 @@ def main() -> None:
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python engine")
     ap.add_argument("--busy", type=int, default=0, metavar="N", help="run N busy processes beside the engines")
     ap.add_argument("--busy-kind", choices=sorted(BUSY_CODE), default="spin")
+    ap.add_argument("--attention-ab", action="store_true",
+                    help="also run our model with the earlier (BLAS GEMM tile) prompt attention kernel")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.rows is not None and (args.pp is not None or args.tg is not None):
@@ -327,6 +351,8 @@ def main() -> None:
     hcpu.build()
     n_ctx = max(r.ctx_len + r.n for r in rows) + 16
     engines = [Hanzo(args.model, n_ctx)]
+    if args.attention_ab:
+        engines.append(HanzoGemmAttention(engines[0]))
     if not args.no_llama_cpp:
         try:
             engines.append(LlamaCpp(args.model, n_ctx, args.threads))
@@ -352,8 +378,9 @@ def main() -> None:
     busy = start_busy(args.busy, args.busy_kind)
     try:
         warm = Row("pp", 32)
-        for e in engines[:2]:  # in-process engines: page in the weights, build caches
-            e.measure(warm, [], torch.randint(100, 20000, (32,), generator=g).tolist())
+        for e in engines:  # page in the weights, build caches
+            if not isinstance(e, LlamaBench):
+                e.measure(warm, [], torch.randint(100, 20000, (32,), generator=g).tolist())
         for r in range(args.reps):
             for row in rows:
                 ctx = torch.randint(100, 20000, (row.ctx_len,), generator=g).tolist()
@@ -373,7 +400,7 @@ def main() -> None:
 
 
 def print_table(rows: list[Row], names: list[str], res: dict) -> None:
-    """Medians (ranges) in tokens/s, and hanzo-torch / each llama.cpp engine per row."""
+    """Medians (ranges) in tokens/s, and hanzo-torch / each other engine per row."""
     def med(t, n):
         v = res.get((t, n))
         return statistics.median(v) if v else None

@@ -439,15 +439,34 @@ DecodeLoops decode_loops() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Loops of the prefill (flash) attention: one small float32 GEMM form serves both contractions,
-// C[R x N] (+)= A[R x K] B[K x N] with row strides lda, ldb, ldc (scores: A = queries, B = the
-// transposed key tile; P*V: A = probabilities, B = the value tile).
+// Loops of the prefill (flash) attention. Scores: S[r][j] = Q[r] . K[j] for R query rows and nk
+// key rows (both D floats, row strides D and ldk). P*V: C[R x N] (+)= A[R x K] B[K x N] with row
+// strides lda, ldb, ldc (A = probabilities, B = value rows, C = accumulators). scale_max:
+// s[j] *= sc for j < n, returning the maximum.
 // ---------------------------------------------------------------------------------------------
 struct FlashLoops {
+    void (*scores)(const float* Q, int64_t R, int64_t D, const float* K, int64_t ldk, int64_t nk, float* S,
+                   int64_t lds);
     void (*gemm)(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t R,
                  int64_t N, int64_t K, bool accumulate);
+    float (*scale_max)(float* s, int64_t n, float sc);
     float (*exp_sum)(float* s, int64_t n, float m);
 };
+
+void qk_generic(const float* Q, int64_t R, int64_t D, const float* K, int64_t ldk, int64_t nk, float* S,
+                int64_t lds) {
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < nk; ++j) S[r * lds + j] = dot_f32(Q + r * D, K + j * ldk, D);
+}
+
+float scale_max_generic(float* s, int64_t n, float sc) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+        s[j] *= sc;
+        mx = std::max(mx, s[j]);
+    }
+    return mx;
+}
 
 void gemm_generic(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t R,
                   int64_t N, int64_t K, bool accumulate) {
@@ -509,6 +528,83 @@ __attribute__((target("avx2,fma"))) void gemm_rows_avx2(const float* A, int64_t 
     }
 }
 
+// Scores as dot products over D: a register tile of MR query rows x NR keys (8 accumulators
+// at most: MR + NR loads per MR * NR FMAs), each accumulator reduced across its 8 lanes at the
+// end; four keys' sums are reduced together by two rounds of hadd into one 4-float store.
+template <int MR, int NR>
+__attribute__((target("avx2,fma"))) inline void qk_tile_avx2(const float* Q, int64_t D, const float* K, int64_t ldk,
+                                                            float* S, int64_t lds) {
+    __m256 c[MR][NR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) c[r][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 kv[NR];
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) kv[j] = _mm256_loadu_ps(K + j * ldk + d);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+            const __m256 qv = _mm256_loadu_ps(Q + r * D + d);
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) c[r][j] = _mm256_fmadd_ps(qv, kv[j], c[r][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+        if constexpr (NR == 4) {
+            // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]: twice gives
+            // [sum0..3 of keys 0..3 | sum4..7 of keys 0..3], then the halves are added
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(c[r][0], c[r][1]), _mm256_hadd_ps(c[r][2], c[r][3]));
+            _mm_storeu_ps(S + r * lds, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        } else {
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) S[r * lds + j] = hsum8(c[r][j]);
+        }
+    }
+}
+
+template <int MR>
+__attribute__((target("avx2,fma"))) void qk_rows_avx2(const float* Q, int64_t D, const float* K, int64_t ldk,
+                                                     int64_t nk, float* S, int64_t lds) {
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) qk_tile_avx2<MR, 4>(Q, D, K + j * ldk, ldk, S + j, lds);
+    switch (nk - j) {
+        case 3: qk_tile_avx2<MR, 3>(Q, D, K + j * ldk, ldk, S + j, lds); break;
+        case 2: qk_tile_avx2<MR, 2>(Q, D, K + j * ldk, ldk, S + j, lds); break;
+        case 1: qk_tile_avx2<MR, 1>(Q, D, K + j * ldk, ldk, S + j, lds); break;
+        default: break;
+    }
+}
+
+__attribute__((target("avx2,fma"))) void qk_avx2(const float* Q, int64_t R, int64_t D, const float* K, int64_t ldk,
+                                                int64_t nk, float* S, int64_t lds) {
+    if (D % 8) return qk_generic(Q, R, D, K, ldk, nk, S, lds);
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2) qk_rows_avx2<2>(Q + r * D, D, K, ldk, nk, S + r * lds, lds);
+    if (r < R) qk_rows_avx2<1>(Q + r * D, D, K, ldk, nk, S + r * lds, lds);
+}
+
+__attribute__((target("avx2,fma"))) float scale_max_avx2(float* s, int64_t n, float sc) {
+    const __m256 scv = _mm256_set1_ps(sc);
+    __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), scv);
+        _mm256_storeu_ps(s + j, v);
+        mv = _mm256_max_ps(v, mv);  // a NaN score is passed over (the second operand is kept)
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mv);
+    float mx = lanes[0];
+    for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+    for (; j < n; ++j) {
+        s[j] *= sc;
+        mx = std::max(mx, s[j]);
+    }
+    return mx;
+}
+
 // Column blocks of 16, then 8, then the last N % 8 columns by the portable loop.
 __attribute__((target("avx2,fma"))) void gemm_avx2(const float* A, int64_t lda, const float* B, int64_t ldb,
                                                   float* C, int64_t ldc, int64_t R, int64_t N, int64_t K,
@@ -526,11 +622,16 @@ void gemm_avx2(const float* A, int64_t lda, const float* B, int64_t ldb, float* 
                int64_t N, int64_t K, bool accumulate) {
     gemm_generic(A, lda, B, ldb, C, ldc, R, N, K, accumulate);
 }
+void qk_avx2(const float* Q, int64_t R, int64_t D, const float* K, int64_t ldk, int64_t nk, float* S, int64_t lds) {
+    qk_generic(Q, R, D, K, ldk, nk, S, lds);
+}
+float scale_max_avx2(float* s, int64_t n, float sc) { return scale_max_generic(s, n, sc); }
 #endif
 
 FlashLoops flash_loops() {
-    if (has_avx2_fma() && hz_active_isa.load(std::memory_order_relaxed) >= 1) return {gemm_avx2, exp_sum_avx2};
-    return {gemm_generic, exp_sum_generic};
+    if (has_avx2_fma() && hz_active_isa.load(std::memory_order_relaxed) >= 1)
+        return {qk_avx2, gemm_avx2, scale_max_avx2, exp_sum_avx2};
+    return {qk_generic, gemm_generic, scale_max_generic, exp_sum_generic};
 }
 
 // One cache row (D values at src) -> float32 dst[D].
@@ -833,17 +934,18 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
 // Prefill-sized calls, flash style. A query tile is (b, kv head, Tq tokens): its R = Tq*G query
 // rows, ordered token-major (row t*G + g is query head hk*G + g of token t0 + t), meet the keys
 // 0..kmax-1 (kmax = the tile's largest position + 1) in key tiles of kFlashKeys. Each key tile is
-// read from the cache and converted to float32 once for all R rows (keys transposed to [D][keys]
-// so both contractions are the same register-tiled GEMM), then per row the online softmax:
+// read from the cache once for all R rows (float32 rows in place, others converted to float32
+// once), scored by register-tiled dot products, then per row the online softmax:
 //   s = (q . k) * scale for the keys 0..position of that row, m' = max(m, max s),
 //   p = exp(s - m'), l = l e^(m - m') + sum p, acc = acc e^(m - m') + p V
-// (running max m, sum l and accumulator acc in float32), out = acc / l. A row that sees no key
+// (running max m, sum l and accumulator acc in float32; p V by a register-tiled GEMM over the
+// tile's rows), out = acc / l. A row that sees no key
 // of a tile, or whose maximum is still -inf, takes nothing from it (no -inf - -inf).
 // Work per query tile is O(R * kmax * D): no score row longer than one key tile exists. When
 // there are fewer query tiles than twice the threads (short prompts on a long context), a tile's
 // key range is split into units of at least kFlashSplitKeys keys, merged afterwards by their
 // maxima and sums as the decode kernel's chunks are.
-constexpr int64_t kFlashKeys = 64;         // keys per key tile (a multiple of 8)
+constexpr int64_t kFlashKeys = 64;         // keys per key tile
 constexpr int64_t kFlashRows = 48;         // query rows (tokens x group heads) per query tile, target
 constexpr int64_t kFlashSplitKeys = 512;   // least keys per unit of a split key range
 
@@ -895,14 +997,14 @@ void attention_flash(const float* qp, const uint8_t* kp, const uint8_t* vp, floa
     std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost(x) > cost(y); });
 
     const FlashLoops loops = flash_loops();
-    const bool direct = kind == KvKind::F32;  // float32 value rows are read in place
+    const bool direct = kind == KvKind::F32;  // float32 key and value rows are read in place
     const float ninf = -std::numeric_limits<float>::infinity();
     std::atomic<int64_t> next{0};
     auto worker = [&]() {
-        // per thread: queries, transposed keys, values, scores/probabilities, m, l, acc, one row
-        std::vector<float> qb(static_cast<size_t>(Rmax * D)), kt(static_cast<size_t>(D * Bk)),
+        // per thread: queries, keys, values (as float32), scores/probabilities, m, l, acc
+        std::vector<float> qb(static_cast<size_t>(Rmax * D)), kb(static_cast<size_t>(Bk * D)),
             vb(static_cast<size_t>(Bk * D)), sb(static_cast<size_t>(Rmax * Bk)), ml(static_cast<size_t>(2 * Rmax)),
-            acc(static_cast<size_t>(Rmax * D)), row(static_cast<size_t>(D));
+            acc(static_cast<size_t>(Rmax * D));
         for (int64_t i = next++; i < nu; i = next++) {
             const Unit& un = units[static_cast<size_t>(order[static_cast<size_t>(i)])];
             const Tile& tl = tiles[static_cast<size_t>(un.tile)];
@@ -925,29 +1027,21 @@ void attention_flash(const float* qp, const uint8_t* kp, const uint8_t* vp, floa
                 while (tlo < tq && vis(tlo) == 0) ++tlo;
                 while (thi > tlo && vis(thi - 1) == 0) --thi;
                 if (tlo == thi) continue;  // no row of the tile sees these keys
-                for (int64_t j = 0; j < nk; ++j) {
-                    const float* kr = reinterpret_cast<const float*>(kbase + (j0 + j) * key_stride);
-                    if (!direct) {
-                        kv_load_row(kind, kbase + (j0 + j) * key_stride, D, row.data());
-                        kr = row.data();
-                    }
-                    for (int64_t d = 0; d < D; ++d) kt[d * Bk + j] = kr[d];
+                const float* kt = reinterpret_cast<const float*>(kbase + j0 * key_stride);
+                int64_t ldk = Hk * D;
+                if (!direct) {
+                    for (int64_t j = 0; j < nk; ++j) kv_load_row(kind, kbase + (j0 + j) * key_stride, D, kb.data() + j * D);
+                    kt = kb.data();
+                    ldk = D;
                 }
-                const int64_t nn = (nk + 7) / 8 * 8;  // columns the GEMM reads: [nk, nn) must be 0
-                if (nn > nk)
-                    for (int64_t d = 0; d < D; ++d) std::fill(kt.data() + d * Bk + nk, kt.data() + d * Bk + nn, 0.0f);
                 const int64_t rlo = tlo * G, rhi = thi * G;
                 float* s = sb.data();
-                loops.gemm(qb.data() + rlo * D, D, kt.data(), Bk, s + rlo * Bk, Bk, rhi - rlo, nn, D, false);
+                loops.scores(qb.data() + rlo * D, rhi - rlo, D, kt, ldk, nk, s + rlo * Bk, Bk);
                 for (int64_t t = tlo; t < thi; ++t) {
                     const int64_t nv = vis(t);
                     for (int64_t r = t * G; r < (t + 1) * G; ++r) {
                         float* sr = s + r * Bk;
-                        float mx = ninf;
-                        for (int64_t j = 0; j < nv; ++j) {
-                            sr[j] *= sc;
-                            mx = std::max(mx, sr[j]);
-                        }
+                        const float mx = loops.scale_max(sr, nv, sc);
                         const float mn = std::max(m[r], mx);
                         if (nv == 0 || mn == ninf) {  // nothing (finite) to add from this tile
                             std::fill(sr, sr + nk, 0.0f);
