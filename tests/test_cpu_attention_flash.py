@@ -158,3 +158,40 @@ def test_tolerance_catches_a_wrong_position():
     good = expect(q, kc, vc, pos, 0.1)
     assert err(cf.attention(q, kc, vc, pos, 0.1), good) < TOL[torch.float32]
     assert err(expect(q, kc, vc, pos - 1, 0.1), good) > 100 * TOL[torch.float32]
+
+
+# ------------------------------------------------------------------------------------ model
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    from tests.gguf_builders import tiny_spec, tokenizer_metadata, write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("flash") / "qwen2.gguf"
+    # GQA 6 as the 1.5B model (6 query heads on 1 KV head), head dim 64; F32 weights, so the
+    # projections are float32 GEMMs (no int8 activation rounding to amplify small differences)
+    spec = tiny_spec("qwen2", hidden=384, n_head=6, n_head_kv=1, ffn=256)
+    return write_tiny_gguf(path, spec, tokenizer_metadata(full=False))
+
+
+@pytest.mark.slow  # ~25 s on 2 cores: three forwards through a float32 151936 x 384 LM head per path
+def test_model_logits_flash_gemm_reference(tiny_qwen2):
+    """A prompt (T = 40), a 3-token chunk and a decode step through the whole model: the logits with
+    the flash tiles, with the GEMM tiles and with the reference attention agree to 1e-4 of the
+    largest logit (float32 throughout; the attention kernels differ by float32 rounding only)."""
+    import hanzo_torch
+
+    model = hanzo_torch.load(tiny_qwen2, max_context=64, dtype=torch.float32, kv_dtype="f32")
+    ids = torch.randint(100, 5000, (1, 44), generator=g(11))
+
+    def run():
+        model.reset()
+        with torch.inference_mode():
+            out = [model(ids[:, :40], last_only=True), model(ids[:, 40:43], last_only=True),
+                   model(ids[:, 43:44], last_only=True)]
+        return torch.cat(out, dim=1)
+
+    flash = run()
+    with cf.use_attention_prefill("gemm"):
+        gemm = run()
+    with hanzo_torch.ops.use_reference("attention"):
+        want = run()
+    assert err(flash, want) < 1e-4 and err(gemm, want) < 1e-4, (err(flash, want), err(gemm, want))
