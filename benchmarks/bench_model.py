@@ -262,11 +262,11 @@ def profile_decode(model) -> None:
 
 def glue_replay(model, steps: int = 30) -> None:
     """Host time of a decode step without the profiler: the model's own ``torch.ops.hanzo``
-    calls (models/qwen.py's ``hanzo``) are recorded for one step, then the step is replayed with
+    calls (the ``hanzo`` of models/qwen.py and models/layers.py) are recorded for one step, then the step is replayed with
     each call returning its recorded output at once, so what is timed is everything but the hanzo
     ops: Python modules, views, bias adds, the embedding, argmax-free glue. Medians of ``steps``.
     (Time inside the ops that is not kernel work, ~5-10 us of C++ dispatch per call, is not in it.)"""
-    from hanzo_torch.models import qwen
+    from hanzo_torch.models import layers, qwen
 
     real = torch.ops.hanzo
     rec, pos, mode = [], [0], ["record"]
@@ -297,7 +297,7 @@ def glue_replay(model, steps: int = 30) -> None:
     with torch.inference_mode():
         model(torch.randint(100, 20000, (1, 16)), last_only=True)
         full = statistics.median(step() for _ in range(steps))
-        saved, qwen.hanzo = qwen.hanzo, Replay()
+        saved, qwen.hanzo, layers.hanzo = qwen.hanzo, Replay(), Replay()
         try:
             step()  # record (the replayed steps reuse this position's outputs)
             mode[0] = "replay"
@@ -308,7 +308,7 @@ def glue_replay(model, steps: int = 30) -> None:
                 Replay().mul_mat()
             wrap = time.perf_counter() - t0
         finally:
-            qwen.hanzo = saved
+            qwen.hanzo = layers.hanzo = saved
     host = max(0.0, glue - wrap)
     print(f"glue replay: {len(rec)} hanzo calls per step; step {full * 1e3:.1f} ms, everything but the hanzo "
           f"ops {host * 1e3:.2f} ms = {host / full:.1%} of the step (host share)")
