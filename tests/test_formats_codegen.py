@@ -1,12 +1,16 @@
-"""csrc/cpu/ggml_blocks.h is generated from the format registry and must not drift from it.
+"""csrc/cpu/ggml_blocks.h and csrc/vulkan/shaders/ggml_blocks.glsl are generated from the format
+registry and must not drift from it.
 
-The header gives the C++ kernels their block structs, field offsets, type ids and table slots;
-regenerating it from the registry and comparing with the committed file catches a layout edited
-on one side only (run ``python -m hanzo_torch.formats.codegen`` to rewrite it).
+The header gives the C++ kernels their block structs, field offsets, type ids and table slots; the
+GLSL file gives the Vulkan shaders the same offsets and sizes as constants and the tables as const
+arrays. Regenerating them from the registry and comparing with the committed files catches a layout
+edited on one side only (run ``python -m hanzo_torch.formats.codegen`` to rewrite them).
 """
 from __future__ import annotations
 
 import re
+
+import torch
 
 import hanzo_torch
 from hanzo_torch.formats import codegen
@@ -55,3 +59,58 @@ def test_table_slots_hold_the_registry_grids():
         assert f"HZ_TABLE_{name}_{table.upper()} = {slot}," in text
     # IQ1_M reads IQ1_S's grid: one slot for both
     assert "HZ_TABLE_IQ1_M_GRID = " + str(next(s for s, n, *_ in slots if n == "IQ1_S")) in text
+
+
+def test_committed_glsl_is_the_generated_one():
+    committed = codegen.GLSL_PATH.read_text()
+    assert committed == codegen.render_glsl(), (
+        f"{codegen.GLSL_PATH} differs from the registry: run python -m hanzo_torch.formats.codegen")
+
+
+def test_check_mode_covers_the_glsl(tmp_path, capsys):
+    path = tmp_path / "ggml_blocks.glsl"
+    assert codegen.main(["--glsl-output", str(path)]) == 0 and path.read_text() == codegen.render_glsl()
+    assert codegen.main(["--check", "--glsl-output", str(path)]) == 0
+    path.write_text(codegen.render_glsl().replace("#define HZ_Q4_K_qs 16u", "#define HZ_Q4_K_qs 17u"))
+    assert codegen.main(["--check", "--glsl-output", str(path)]) == 1
+    assert str(path) in capsys.readouterr().err
+
+
+def test_glsl_defines_every_format_layout():
+    text = codegen.render_glsl()
+    for fmt in hanzo_torch.FORMATS.values():
+        p = f"HZ_{fmt.name}"
+        assert f"#define {p}_TYPE_ID {fmt.type_id}\n" in text, fmt.name
+        assert f"#define {p}_QK {fmt.block_size}u\n" in text, fmt.name
+        assert f"#define {p}_TS {fmt.type_size}u\n" in text, fmt.name
+        assert f"#define {p}_GROUP_LEN {fmt.group_len}u\n" in text, fmt.name
+        for f in fmt.fields:
+            assert re.search(rf"#define {p}_{f.name} {f.offset}u\b", text), (fmt.name, f.name)
+
+
+def _glsl_array(text: str, name: str) -> list:
+    m = re.search(rf"const (int|uint) {name}\[(\d+)\] = \w+\[\]\((.*?)\);", text, re.S)
+    assert m, name
+    vals = [int(v.rstrip("u"), 0) for v in m.group(3).replace("\n", " ").split(",")]
+    assert len(vals) == int(m.group(2))
+    if m.group(1) == "int":
+        return vals
+    out = []
+    for w in vals:  # four int8 entries per word, little-endian
+        out += [((w >> (8 * i)) & 0xFF) - (256 if (w >> (8 * i)) & 0x80 else 0) for i in range(4)]
+    return out
+
+
+def test_glsl_tables_hold_the_registry_tables():
+    text = codegen.render_glsl()
+    for fmt in hanzo_torch.FORMATS.values():
+        for name, table in fmt.tables.items():
+            arr = codegen.glsl_table_name(fmt, name)
+            assert f"#define HZ_{fmt.name}_TABLE_{name.upper()} {arr} " in text, (fmt.name, name)
+            want = table.cpu.reshape(-1)
+            got = torch.tensor(_glsl_array(text, arr)[:want.numel()], dtype=torch.float32)
+            assert torch.equal(got, want.float()), (fmt.name, name)
+            # compiled into the shaders of every format that reads it
+            guard = text[:text.index(f"const {'int' if want.numel() <= codegen.INLINE_TABLE_MAX else 'uint'} {arr}[")]
+            assert f"defined(HZ_FMT_{fmt.name})" in guard.rsplit("#if ", 1)[1], (fmt.name, name)
+    assert codegen.glsl_table_name(hanzo_torch.get_format("IQ1_M"), "grid") == "hz_grid_iq1_s"
