@@ -13,11 +13,12 @@ the same registry tables (:func:`table_slots`).
 The GLSL file gives the Vulkan shaders the same facts as preprocessor constants (GLSL has no
 packed structs: the shaders read bytes at field offsets): per format ``HZ_<NAME>_QK`` (values per
 block), ``HZ_<NAME>_TS`` (bytes per block), ``HZ_<NAME>_GROUP_LEN``, ``HZ_<NAME>_TYPE_ID`` and
-``HZ_<NAME>_<field>`` (byte offset of each block field), and every table as a GLSL ``const``
-array: up to :data:`INLINE_TABLE_MAX` entries as ``int[]``, larger ones (the i-quant grids) as
-``uint[]`` with four int8 entries per word, little-endian (:func:`render_glsl`). Each table is
-compiled only into the shaders of the formats that read it (``#if defined(HZ_FMT_<NAME>)``), or
-into every shader that defines ``HZ_ALL_TABLES``.
+``HZ_<NAME>_<field>`` (byte offset of each block field), and the tables: up to
+:data:`INLINE_TABLE_MAX` entries as GLSL ``const int[]`` arrays, compiled only into the shaders
+of the formats that read them (``#if defined(HZ_FMT_<NAME>)``); the larger ones (the i-quant
+grids) only by size (``HZ_<NAME>_TABLE_<TABLE>_NUMEL``): the Vulkan backend uploads them once
+from the registry as int8 buffers whose address the shaders take (lavapipe spends from seconds
+to minutes compiling a dynamically indexed ``const`` array of 512+ words, measured).
 
 The default test suite regenerates both files and compares them with the committed ones
 (tests/test_formats_codegen.py), so they cannot drift apart from the registry.
@@ -142,13 +143,6 @@ def glsl_table_name(fmt: Format, table: str) -> str:
     raise KeyError(f"{fmt.name} has no table {table!r}")
 
 
-def _packed_words(t: torch.Tensor) -> list[int]:
-    """int8 values, four per little-endian uint32 word (the last word zero-padded)."""
-    b = t.reshape(-1).to(torch.int64).tolist()
-    b += [0] * (-len(b) % 4)
-    return [sum((v & 0xFF) << (8 * i) for i, v in enumerate(b[j:j + 4])) for j in range(0, len(b), 4)]
-
-
 def render_glsl() -> str:
     """The text of ``csrc/vulkan/shaders/ggml_blocks.glsl`` for the formats registered now."""
     w = [
@@ -157,16 +151,13 @@ def render_glsl() -> str:
         "// this file. tests/test_formats_codegen.py fails when the two differ.",
         "// Per format NAME: HZ_NAME_TYPE_ID (ggml type id), HZ_NAME_QK (values per block), HZ_NAME_TS",
         "// (bytes per block), HZ_NAME_GROUP_LEN (values per scale group, 0 for dense types) and",
-        "// HZ_NAME_<field>: the byte offset of each field of ggml's block struct. Tables: up to "
+        "// HZ_NAME_<field>: the byte offset of each field of ggml's block struct. Tables of up to "
         f"{INLINE_TABLE_MAX} entries",
-        "// as const int[], larger ones as const uint[] holding four int8 entries per word (little-endian;",
-        "// read them with hz_table_i8); each is compiled in when its format's HZ_FMT_<NAME> or HZ_ALL_TABLES",
-        "// is defined.",
+        "// are const int[] arrays, compiled in when a format that reads them (HZ_FMT_<NAME>) or",
+        "// HZ_ALL_TABLES is defined; larger ones (HZ_NAME_TABLE_<TABLE>_NUMEL int8 entries) are uploaded",
+        "// at run time from the same registry tables and read through the shader's table address.",
         "#ifndef HZ_GGML_BLOCKS_GLSL",
         "#define HZ_GGML_BLOCKS_GLSL",
-        "",
-        "// entry i of a packed int8 table (const uint[]), as a signed int",
-        "#define hz_table_i8(T, i) bitfieldExtract(int(T[(i) >> 2]), int(((i) & 3u) * 8u), 8)",
         "",
     ]
     users: dict[str, list[str]] = {}
@@ -184,21 +175,17 @@ def render_glsl() -> str:
         for f in fmt.fields:
             w.append(f"#define {p}_{f.name} {f.offset}u  // {f.ctype} {f.name}{f'[{f.count}]' if f.count else ''}")
         for name, t in _tables(fmt):
+            if t.numel() > INLINE_TABLE_MAX:
+                w.append(f"#define {p}_TABLE_{name.upper()}_NUMEL {t.numel()}u  // int8 {tuple(t.shape)}, uploaded at run time")
+                continue
             arr = glsl_table_name(fmt, name)
             w.append(f"#define {p}_TABLE_{name.upper()} {arr}  // {t.numel()} int8 entries, {tuple(t.shape)}")
             if users[arr][0] != fmt.name:
                 continue  # declared by the first format that reads it
             cond = " || ".join(f"defined(HZ_FMT_{u})" for u in users[arr]) + " || defined(HZ_ALL_TABLES)"
             w.append(f"#if {cond}")
-            if t.numel() <= INLINE_TABLE_MAX:
-                vals = ", ".join(str(int(v)) for v in t.reshape(-1).tolist())
-                w.append(f"const int {arr}[{t.numel()}] = int[]({vals});")
-            else:
-                words = _packed_words(t)
-                w.append(f"const uint {arr}[{len(words)}] = uint[](")
-                for j in range(0, len(words), 8):
-                    tail = "," if j + 8 < len(words) else ");"
-                    w.append("    " + ", ".join(f"0x{v:08x}u" for v in words[j:j + 8]) + tail)
+            vals = ", ".join(str(int(v)) for v in t.reshape(-1).tolist())
+            w.append(f"const int {arr}[{t.numel()}] = int[]({vals});")
             w.append("#endif")
         w.append("")
     w.append("#endif  // HZ_GGML_BLOCKS_GLSL")

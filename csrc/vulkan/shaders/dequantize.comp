@@ -13,6 +13,7 @@ layout(push_constant, std430) uniform Push {
     uint64_t src;     // packed rows, row_bytes apart
     uint64_t dst;     // [n_rows, K] of out_dtype
     uint64_t ids;     // row ids (get_rows) or 0
+    uint64_t table;   // the format's grid (formats.glsl hz_table) or 0
     uint row_bytes;
     uint K;           // values per row
     uint n_rows;      // output rows
@@ -23,6 +24,7 @@ layout(push_constant, std430) uniform Push {
 } pc;
 
 void main() {
+    hz_table = pc.table;
     uint k = gl_GlobalInvocationID.x;
     uint r = pc.r0 + gl_WorkGroupID.y + 65535u * gl_WorkGroupID.z;
     if (k >= pc.K || r >= pc.n_rows) return;

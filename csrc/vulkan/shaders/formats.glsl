@@ -8,9 +8,10 @@
 // scale group; 1 for dense types). Logical column k of a packed row at byte address row lives in
 // block k / HZ_QK at row + (k / HZ_QK) * HZ_TS, element k % HZ_QK.
 //
-// Block layouts, field offsets and tables come from ggml_blocks.glsl (generated from the format
-// registry). Blocks are not 4-byte aligned (Q4_0 blocks are 18 bytes, MXFP4 17), so every field is
-// read byte by byte through an 8-bit buffer_reference. The float arithmetic of each rule follows the
+// Block layouts, field offsets and the small tables come from ggml_blocks.glsl (generated from the
+// format registry); the i-quant grids are read at hz_table. Blocks are not 4-byte aligned (Q4_0
+// blocks are 18 bytes, MXFP4 17), so every field is read byte by byte through an 8-bit
+// buffer_reference. The float arithmetic of each rule follows the
 // order of operations of the registry's dequantizers (and of gguf.quants), and every float result
 // is `precise` (no multiply-add contraction), so dequantize/get_rows are bit-exact with the
 // reference. Activation and output helpers for float32 / float16 / bfloat16 tensors are at the end
@@ -57,6 +58,11 @@ uvec2 hz_scale_min_k4(uint64_t b, uint sc, uint s) {
     if (s < 4u) return uvec2(a & 63u, c & 63u);
     return uvec2((e & 15u) | ((a >> 6) << 4), (e >> 4) | ((c >> 6) << 4));
 }
+
+// The address of the format's int8 table when it has one too large to be a GLSL constant (the
+// i-quant grids, uploaded once by the backend from the registry, ggml_blocks.glsl): every shader
+// sets it from its push constants before it calls a rule.
+uint64_t hz_table = 0ul;
 
 // ------------------------------------------------------------------------------------------------
 // one rule per format
@@ -329,7 +335,7 @@ float hz_elem(uint64_t b, uint j) {
     uint aux = hz_u32(b, g + 4u);
     precise float t = hz_f16(b, HZ_IQ2_XXS_d) * (0.5 + float(aux >> 28));
     precise float db = t * 0.25;
-    precise float v = db * float(hz_table_i8(HZ_IQ2_XXS_TABLE_GRID, hz_u8(b, g + l) * 8u + i));
+    precise float v = db * float(hz_i8(hz_table, hz_u8(b, g + l) * 8u + i));
     return hz_sign8((aux >> (7u * l)) & 127u, i) != 0u ? -v : v;
 }
 
@@ -344,7 +350,7 @@ float hz_elem(uint64_t b, uint j) {
     uint sc = (hz_u8(b, HZ_IQ2_XS_scales + j / 32u) >> (4u * ((j / 16u) % 2u))) & 15u;
     precise float t = hz_f16(b, HZ_IQ2_XS_d) * (0.5 + float(sc));
     precise float db = t * 0.25;
-    precise float v = db * float(hz_table_i8(HZ_IQ2_XS_TABLE_GRID, (q & 511u) * 8u + i));
+    precise float v = db * float(hz_i8(hz_table, (q & 511u) * 8u + i));
     return hz_sign8(q >> 9, i) != 0u ? -v : v;
 }
 
@@ -360,7 +366,7 @@ float hz_elem(uint64_t b, uint j) {
     uint sc = (hz_u8(b, HZ_IQ2_S_scales + j / 32u) >> (4u * ((j / 16u) % 2u))) & 15u;
     precise float t = hz_f16(b, HZ_IQ2_S_d) * (0.5 + float(sc));
     precise float db = t * 0.25;
-    precise float v = db * float(hz_table_i8(HZ_IQ2_S_TABLE_GRID, idx * 8u + i));
+    precise float v = db * float(hz_i8(hz_table, idx * 8u + i));
     return sgn != 0u ? -v : v;
 }
 
@@ -374,7 +380,7 @@ float hz_elem(uint64_t b, uint j) {
     uint aux = hz_u32(b, HZ_IQ3_XXS_qs + 64u + ib * 4u);
     precise float t = hz_f16(b, HZ_IQ3_XXS_d) * (0.5 + float(aux >> 28));
     precise float db = t * 0.5;
-    precise float v = db * float(hz_table_i8(HZ_IQ3_XXS_TABLE_GRID, hz_u8(b, HZ_IQ3_XXS_qs + j / 4u) * 4u + j % 4u));
+    precise float v = db * float(hz_i8(hz_table, hz_u8(b, HZ_IQ3_XXS_qs + j / 4u) * 4u + j % 4u));
     return hz_sign8((aux >> (7u * l)) & 127u, i) != 0u ? -v : v;
 }
 
@@ -389,7 +395,7 @@ float hz_elem(uint64_t b, uint j) {
     uint sgn = (hz_u8(b, HZ_IQ3_S_signs + j / 8u) >> (j % 8u)) & 1u;
     uint sc = (hz_u8(b, HZ_IQ3_S_scales + j / 64u) >> (4u * ((j / 32u) % 2u))) & 15u;
     precise float db = hz_f16(b, HZ_IQ3_S_d) * float(1u + 2u * sc);
-    precise float v = db * float(hz_table_i8(HZ_IQ3_S_TABLE_GRID, idx * 4u + j % 4u));
+    precise float v = db * float(hz_i8(hz_table, idx * 4u + j % 4u));
     return sgn != 0u ? -v : v;
 }
 
@@ -404,7 +410,7 @@ float hz_elem(uint64_t b, uint j) {
     precise float dl = hz_f16(b, HZ_IQ1_S_d) * float(2u * ((qh >> 12) & 7u) + 1u);
     float delta = (qh & 0x8000u) == 0u ? 0.125 : -0.125;
     uint idx = hz_u8(b, HZ_IQ1_S_qs + ib * 4u + l) | (((qh >> (3u * l)) & 7u) << 8);
-    precise float g = float(hz_table_i8(HZ_IQ1_S_TABLE_GRID, idx * 8u + j % 8u)) + delta;
+    precise float g = float(hz_i8(hz_table, idx * 8u + j % 8u)) + delta;
     precise float v = dl * g;
     return v;
 }
@@ -425,7 +431,7 @@ float hz_elem(uint64_t b, uint j) {
     uint qh = (hz_u8(b, HZ_IQ1_M_qh + u / 2u) >> (4u * (u % 2u))) & 15u;
     uint idx = hz_u8(b, HZ_IQ1_M_qs + u) | ((qh & 7u) << 8);
     float delta = (qh & 8u) == 0u ? 0.125 : -0.125;
-    precise float g = float(hz_table_i8(HZ_IQ1_M_TABLE_GRID, idx * 8u + j % 8u)) + delta;
+    precise float g = float(hz_i8(hz_table, idx * 8u + j % 8u)) + delta;
     precise float v = dl * g;
     return v;
 }

@@ -17,6 +17,7 @@ layout(push_constant, std430) uniform Push {
     uint64_t w;       // packed [N, row_bytes]
     uint64_t x;       // [M, K] of x_dtype, rows x_stride elements apart
     uint64_t y;       // [M, N] of y_dtype, rows y_stride elements apart
+    uint64_t table;   // the format's grid (formats.glsl hz_table) or 0
     uint N;
     uint K;
     uint M;
@@ -31,6 +32,7 @@ shared float xs[BK][BM + 1u];
 shared float ws[BK][BN + 1u];
 
 void main() {
+    hz_table = pc.table;
     uint lid = gl_LocalInvocationID.x;
     uint tx = lid % 16u, ty = lid / 16u;
     uint n0 = gl_WorkGroupID.x * BN, m0 = gl_WorkGroupID.y * BM;

@@ -15,6 +15,7 @@ layout(push_constant, std430) uniform Push {
     uint64_t x;       // [T, K] or [T, n_slots, K] of x_dtype, contiguous
     uint64_t y;       // [T, n_slots, N] of y_dtype, contiguous
     uint64_t ids;     // [T, n_slots] int32 or int64, contiguous
+    uint64_t table;   // the format's grid (formats.glsl hz_table) or 0
     uint N;
     uint K;
     uint E;
@@ -31,6 +32,7 @@ layout(push_constant, std430) uniform Push {
 shared float red[HZ_THREADS];
 
 void main() {
+    hz_table = pc.table;
     uint n = gl_WorkGroupID.x + gl_NumWorkGroups.x * gl_WorkGroupID.y;
     uint p = pc.p0 + gl_WorkGroupID.z;
     uint t = gl_LocalInvocationID.x;

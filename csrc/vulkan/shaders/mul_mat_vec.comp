@@ -16,6 +16,7 @@ layout(push_constant, std430) uniform Push {
     uint64_t w;       // packed [N, row_bytes]
     uint64_t x;       // [M, K] of x_dtype, rows x_stride elements apart
     uint64_t y;       // [M, N] of y_dtype, rows y_stride elements apart
+    uint64_t table;   // the format's grid (formats.glsl hz_table) or 0
     uint N;
     uint K;
     uint M;
@@ -29,6 +30,7 @@ layout(push_constant, std430) uniform Push {
 shared float red[HZ_MV_MAX_M][HZ_MV_THREADS];
 
 void main() {
+    hz_table = pc.table;
     uint n = gl_WorkGroupID.x + gl_NumWorkGroups.x * gl_WorkGroupID.y;
     uint t = gl_LocalInvocationID.x;
     if (n >= pc.N) return;  // uniform over the workgroup
