@@ -35,7 +35,7 @@ def test_rule_table_is_the_formats_glsl_line():
     line = (vulkan._SHADER_DIR / "formats.glsl").read_text().splitlines()[0].split()
     assert line[:3] == ["//", "hz:", "formats"] and tuple(n for n in line[3:] if n in hanzo_torch.FORMATS) == fmts
     assert set(hanzo_torch.QUANTIZED_FORMATS) <= set(fmts)
-    assert torch.ops.hanzo_vk_quant.formats() == sorted(fmts)
+    assert torch.ops.hanzo_vulkan.quant_formats() == sorted(fmts)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q3_K", "IQ2_XS", "IQ1_M", "MXFP4", "BF16"])
@@ -132,6 +132,8 @@ def test_reference_mode_is_honoured():
     bad = torch.tensor([0, 4]).to(DEV)
     assert torch.ops.hanzo.get_rows(w, bad, "Q8_0", torch.float32).cpu()[1].isnan().all()  # the shader
     with hanzo_torch.ops.use_reference("get_rows"):
-        with pytest.raises(IndexError):  # the reference checks the ids
+        assert "get_rows" in torch.ops.hanzo_vulkan.quant_reference_ops()
+        with pytest.raises(RuntimeError, match="out of range"):  # the reference's device-side id check
             torch.ops.hanzo.get_rows(w, bad, "Q8_0", torch.float32)
+    assert "get_rows" not in torch.ops.hanzo_vulkan.quant_reference_ops()
     assert torch.ops.hanzo.get_rows(w, bad, "Q8_0", torch.float32).cpu()[1].isnan().all()

@@ -7,9 +7,9 @@
 // op's usual ValueError/IndexError for bad arguments. The fit tests are what the shaders need to
 // be memory-safe, not a copy of the Python checks. A quantized format without a rule goes to the
 // reference with one Python warning per format. Until the Python side of the backend has called
-// hanzo_vk_quant::configure (the rule table) every call goes to the reference; reference mode
-// (hanzo_torch.ops.use_reference, HANZO_<OP>_FALLBACK) is mirrored into atomics through
-// hanzo_vk_quant::set_reference (hanzo_torch/backends/vulkan/quant.py).
+// hanzo_vulkan::quant_configure (the rule table, hanzo_torch/backends/vulkan/quant.py) every call
+// goes to the reference; reference mode (hanzo_torch.ops.use_reference, HANZO_<OP>_FALLBACK) is
+// mirrored into atomics through hanzo_vulkan::quant_set_reference.
 //
 // Shaders (csrc/vulkan/shaders, one SPIR-V per format: "<shader>.<FORMAT>"): dequantize (also
 // get_rows, rows by id), mul_mat_vec (up to kMatVecRows activation rows), mul_mat (tiled GEMM),
@@ -325,10 +325,22 @@ void configure(std::vector<std::string> names, std::vector<int64_t> qk, std::vec
   g_configured.store(true, std::memory_order_release);
 }
 
-// Reference mode of one op (true: its calls run torch.ops.hanzo_ref.<op>); other op names are ignored.
-void set_reference(std::string name, bool enabled) {
+// Reference mode of one op (true: its calls run torch.ops.hanzo_ref.<op>); false for a name that
+// is not one of these ops.
+bool set_reference(const std::string& name, bool enabled) {
   for (int i = 0; i < N_OPS; ++i)
-    if (name == kOpNames[i]) g_reference[i].store(enabled);
+    if (name == kOpNames[i]) {
+      g_reference[i].store(enabled);
+      return true;
+    }
+  return false;
+}
+
+std::vector<std::string> reference_ops() {
+  std::vector<std::string> out;
+  for (int i = 0; i < N_OPS; ++i)
+    if (g_reference[i].load()) out.push_back(kOpNames[i]);
+  return out;
 }
 
 std::vector<std::string> configured_formats() {
@@ -343,11 +355,15 @@ std::vector<std::string> configured_formats() {
 }  // namespace hz::vk::quant
 
 // The Python side of the backend configures the kernels through these ops (no pybind coupling
-// with the runtime's module).
-TORCH_LIBRARY(hanzo_vk_quant, m) {
-  m.def("configure(str[] names, int[] qk, int[] ts, Tensor[] tables, str[] lacking) -> ()", &hz::vk::quant::configure);
-  m.def("set_reference(str op, bool enabled) -> ()", &hz::vk::quant::set_reference);
-  m.def("formats() -> str[]", &hz::vk::quant::configured_formats);
+// with the runtime's module): the rule table (quant_configure, once), reference mode
+// (quant_set_reference, true when op is one of these ops), and what the kernels hold now.
+TORCH_LIBRARY_FRAGMENT(hanzo_vulkan, m) {
+  m.def("quant_configure(str[] names, int[] qk, int[] ts, Tensor[] tables, str[] lacking) -> ()",
+        &hz::vk::quant::configure);
+  m.def("quant_set_reference(str op, bool enabled) -> bool",
+        [](c10::string_view op, bool enabled) { return hz::vk::quant::set_reference(std::string(op), enabled); });
+  m.def("quant_reference_ops() -> str[]", [] { return hz::vk::quant::reference_ops(); });
+  m.def("quant_formats() -> str[]", [] { return hz::vk::quant::configured_formats(); });
 }
 
 TORCH_LIBRARY_IMPL(hanzo, PrivateUse1, m) {

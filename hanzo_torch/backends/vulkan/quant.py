@@ -7,9 +7,12 @@ every call to the reference until :func:`configure` has given them the rule tabl
 ``csrc/vulkan/shaders/formats.glsl`` with their block sizes from the registry, and the i-quant
 grids (too large for GLSL constants), copied to the device once. The registry's other quantized
 formats run the reference with one warning per format. Reference mode
-(:func:`hanzo_torch.ops.use_reference`, ``HANZO_<OP>_FALLBACK=1``) is mirrored into the kernels.
+(:func:`hanzo_torch.ops.use_reference`, ``HANZO_<OP>_FALLBACK=1``) is mirrored into the kernels
+through ``torch.ops.hanzo_vulkan.quant_set_reference``.
 """
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -40,11 +43,15 @@ def configure(formats) -> None:
     fmts = [get_format(n) for n in formats]
     names = [f.name for f in fmts]
     lacking = [f.name for f in FORMATS.values() if not f.dense and f.name not in names]
-    ops = torch.ops.hanzo_vk_quant
-    ops.configure(names, [f.block_size for f in fmts], [f.type_size for f in fmts], [_tables(f) for f in fmts],
-                  lacking)
+    backend = importlib.import_module(__package__)
+
+    ops = torch.ops.hanzo_vulkan
+    ops.quant_configure(names, [f.block_size for f in fmts], [f.type_size for f in fmts],
+                        [_tables(f) for f in fmts], lacking)
+    if "quant_set_reference" in getattr(backend, "_REFERENCE_SETTERS", ()):
+        return  # the backend mirrors reference mode into every ops file
     for op in _dispatch.reference_ops():
-        ops.set_reference(op, True)
+        ops.quant_set_reference(op, True)
     if not _subscribed:
         _subscribed.append(True)
-        _dispatch.on_reference_change(lambda op, on: torch.ops.hanzo_vk_quant.set_reference(op, on))
+        _dispatch.on_reference_change(lambda op, on: torch.ops.hanzo_vulkan.quant_set_reference(op, on))
