@@ -133,8 +133,9 @@ def render_header() -> str:
 
 
 def glsl_table_name(fmt: Format, table: str) -> str:
-    """Name of the GLSL ``const`` array of table ``table`` of ``fmt`` (``hz_grid_iq2_xxs``); formats
-    that share one table object share the array of the first of them (IQ1_M reads ``hz_grid_iq1_s``)."""
+    """Name of the GLSL ``const`` array of the small table ``table`` of ``fmt`` (``hz_kvalues_mxfp4``);
+    formats that share one table object share the array of the first of them (IQ4_XS reads
+    ``hz_kvalues_iq4_nl``)."""
     obj = id(fmt.tables[table])
     for other in FORMATS.values():
         for name, t in other.tables.items():
