@@ -6,10 +6,10 @@
 // hands every other call to the op's reference, torch.ops.hanzo_ref.<op>, which also raises the
 // op's usual ValueError/IndexError for bad arguments. The fit tests are what the shaders need to
 // be memory-safe, not a copy of the Python checks. A quantized format without a rule goes to the
-// reference with one Python warning per format. Until the Python side of the backend has called
-// hanzo_vulkan::quant_configure (the rule table, hanzo_torch/backends/vulkan/quant.py) every call
-// goes to the reference; reference mode (hanzo_torch.ops.use_reference, HANZO_<OP>_FALLBACK) is
-// mirrored into atomics through hanzo_vulkan::quant_set_reference.
+// reference with one Python warning per format. The first call has the Python side
+// (hanzo_torch/backends/vulkan/quant.py) hand the rule table and the i-quant grids to
+// hanzo_vulkan::quant_configure; reference mode (hanzo_torch.ops.use_reference,
+// HANZO_<OP>_FALLBACK) is mirrored into atomics through hanzo_vulkan::quant_set_reference.
 //
 // Shaders (csrc/vulkan/shaders, one SPIR-V per format: "<shader>.<FORMAT>"): dequantize (also
 // get_rows, rows by id), mul_mat_vec (up to kMatVecRows activation rows), mul_mat (tiled GEMM),
@@ -50,7 +50,26 @@ struct Fmt {
 std::unordered_map<std::string, Fmt> g_formats;  // the rule table, set once by configure()
 std::unordered_set<std::string> g_lacking;       // registered quantized formats without a rule
 
+std::atomic<bool> g_configure_tried{false};
+
+// The first call configures the kernels from the Python side (once; a failure is one warning and
+// the ops keep running the reference).
+void ensure_configured() {
+  if (g_configured.load(std::memory_order_acquire) || g_configure_tried.exchange(true)) return;
+  py::gil_scoped_acquire gil;
+  try {
+    py::module_::import("hanzo_torch.backends.vulkan.quant").attr("configure")();
+  } catch (py::error_already_set& e) {
+    const std::string msg = std::string("hanzo vulkan: the quantized-op kernels could not be configured (") +
+                            e.what() + "); their ops run the torch reference";
+    e.restore();
+    PyErr_Clear();
+    if (PyErr_WarnEx(PyExc_RuntimeWarning, msg.c_str(), 1) != 0) PyErr_Clear();
+  }
+}
+
 bool use_ref(Op op) {
+  ensure_configured();
   return !g_configured.load(std::memory_order_acquire) || g_reference[op].load(std::memory_order_relaxed);
 }
 
@@ -344,6 +363,7 @@ std::vector<std::string> reference_ops() {
 }
 
 std::vector<std::string> configured_formats() {
+  ensure_configured();
   std::vector<std::string> out;
   if (!g_configured.load(std::memory_order_acquire)) return out;
   for (const auto& kv : g_formats) out.push_back(kv.first);

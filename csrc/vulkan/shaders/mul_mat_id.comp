@@ -47,7 +47,13 @@ void main() {
     uint64_t row = pc.w + (uint64_t(e) * pc.N + n) * pc.row_bytes;
     uint64_t xr = uint64_t(pc.x_per_slot != 0u ? p : p / pc.n_slots) * pc.K;
     float acc = 0.0;
-    for (uint k = t; k < pc.K; k += HZ_THREADS) acc += hz_value_at(row, k) * hz_load(pc.x, pc.x_dtype, xr + k);
+    uint k8 = HZ_QK % 8u == 0u ? pc.K : 0u;  // runs of 8 values of one block, as mul_mat_vec.comp
+    for (uint k0 = 8u * t; k0 < k8; k0 += 8u * HZ_THREADS) {
+        uint64_t blk = row + uint64_t(k0 / HZ_QK) * HZ_TS;
+        uint j0 = k0 % HZ_QK;
+        for (uint i = 0u; i < 8u; ++i) acc += hz_elem(blk, j0 + i) * hz_load(pc.x, pc.x_dtype, xr + k0 + i);
+    }
+    for (uint k = k8 + t; k < pc.K; k += HZ_THREADS) acc += hz_value_at(row, k) * hz_load(pc.x, pc.x_dtype, xr + k);
     red[t] = acc;
     barrier();
     for (uint s = HZ_THREADS / 2u; s > 0u; s >>= 1) {

@@ -1,9 +1,8 @@
 // hz: per-format
 // mul_mat for few activation rows (decode): y[m, n] = sum_k x[m, k] * W[n, k], m < M <= HZ_MV_MAX_M.
 // One workgroup per output row n (n = gl_WorkGroupID.x + gl_NumWorkGroups.x * gl_WorkGroupID.y):
-// its invocations stride over k (neighbouring invocations read neighbouring bytes of the row),
-// dequantize each weight value once for all M activation rows, accumulate in float32 and reduce
-// through shared memory.
+// its invocations stride over the row in runs of 8 values, dequantize each weight value once for
+// all M activation rows, accumulate in float32 and reduce through shared memory.
 #version 460
 #include "formats.glsl"
 
@@ -37,7 +36,20 @@ void main() {
     float acc[HZ_MV_MAX_M];
     for (uint m = 0u; m < HZ_MV_MAX_M; ++m) acc[m] = 0.0;
     uint64_t row = pc.w + uint64_t(n) * pc.row_bytes;
-    for (uint k = t; k < pc.K; k += HZ_MV_THREADS) {
+    // runs of 8 values of one block per invocation (the block address and its scales once per run;
+    // every format's block holds a whole number of runs), neighbouring invocations on neighbouring runs
+    uint k8 = HZ_QK % 8u == 0u ? pc.K : 0u;
+    for (uint k0 = 8u * t; k0 < k8; k0 += 8u * HZ_MV_THREADS) {
+        uint64_t blk = row + uint64_t(k0 / HZ_QK) * HZ_TS;
+        uint j0 = k0 % HZ_QK;
+        float wv[8];
+        for (uint i = 0u; i < 8u; ++i) wv[i] = hz_elem(blk, j0 + i);
+        for (uint m = 0u; m < pc.M; ++m) {
+            uint64_t xo = uint64_t(m) * pc.x_stride + k0;
+            for (uint i = 0u; i < 8u; ++i) acc[m] += wv[i] * hz_load(pc.x, pc.x_dtype, xo + i);
+        }
+    }
+    for (uint k = k8 + t; k < pc.K; k += HZ_MV_THREADS) {  // dense formats (one value per block)
         float wv = hz_value_at(row, k);
         for (uint m = 0u; m < pc.M; ++m)
             acc[m] += wv * hz_load(pc.x, pc.x_dtype, uint64_t(m) * pc.x_stride + k);

@@ -233,9 +233,6 @@ def build(verbose: bool = False):
                                    "apt-get install libvulkan1 mesa-vulkan-drivers") from None
         ext.init(str(spv))
         _register_device()
-        from . import quant
-
-        quant.configure(rule_formats())  # the quantized-op kernels' format table and grids
         _spv_dir = spv
         _ext = ext
         _failed = None

@@ -2,8 +2,8 @@
 table and reference mode.
 
 The kernels of ``dequantize``, ``get_rows``, ``mul_mat``, ``mul_mat_id`` and ``swiglu_mul_mat``
-register themselves on the vulkan (PrivateUse1) dispatch key when the extension loads, and send
-every call to the reference until :func:`configure` has given them the rule table: the formats of
+register themselves on the vulkan (PrivateUse1) dispatch key when the extension loads; the first
+of them to run calls :func:`configure` (from C++), which gives them the rule table: the formats of
 ``csrc/vulkan/shaders/formats.glsl`` with their block sizes from the registry, and the i-quant
 grids (too large for GLSL constants), copied to the device once. The registry's other quantized
 formats run the reference with one warning per format. Reference mode
@@ -31,20 +31,20 @@ def _tables(fmt) -> torch.Tensor:
     return big[0].reshape(-1).to(torch.int8).contiguous() if big else torch.empty(0, dtype=torch.int8)
 
 
-def configure(formats) -> None:
-    """Hand the rule table (ggml names ``formats``) and the reference modes to the kernels.
+def configure(formats=None) -> None:
+    """Hand the rule table (ggml names ``formats``, default the backend's
+    :func:`~hanzo_torch.backends.vulkan.rule_formats`) and the reference modes to the kernels.
 
-    Called once the device runs (the grids are copied to it). Raises RuntimeError when the
-    extension with the kernels is not loaded.
+    Called once the device runs (the grids are copied to it); later calls change nothing. Raises
+    RuntimeError when the extension with the kernels is not loaded.
     """
     from ...formats import FORMATS, get_format
     from ...ops import _dispatch
 
-    fmts = [get_format(n) for n in formats]
+    backend = importlib.import_module(__package__)
+    fmts = [get_format(n) for n in (backend.rule_formats() if formats is None else formats)]
     names = [f.name for f in fmts]
     lacking = [f.name for f in FORMATS.values() if not f.dense and f.name not in names]
-    backend = importlib.import_module(__package__)
-
     ops = torch.ops.hanzo_vulkan
     ops.quant_configure(names, [f.block_size for f in fmts], [f.type_size for f in fmts],
                         [_tables(f) for f in fmts], lacking)
