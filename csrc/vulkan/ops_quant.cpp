@@ -47,7 +47,9 @@ struct Fmt {
   at::Tensor table;  // int8 on the device: the grid the shaders read at hz_table (undefined if none)
   uint64_t table_address() const { return table.defined() ? address(table) : 0; }
 };
-std::unordered_map<std::string, Fmt> g_formats;  // the rule table, set once by configure()
+// the rule table, set once by configure(); never destroyed: its device tables must not be freed
+// after the runtime at exit
+std::unordered_map<std::string, Fmt>& g_formats = *new std::unordered_map<std::string, Fmt>();
 std::unordered_set<std::string> g_lacking;       // registered quantized formats without a rule
 
 std::atomic<bool> g_configure_tried{false};
