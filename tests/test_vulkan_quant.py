@@ -137,3 +137,15 @@ def test_reference_mode_is_honoured():
             torch.ops.hanzo.get_rows(w, bad, "Q8_0", torch.float32)
     assert "get_rows" not in torch.ops.hanzo_vulkan.quant_reference_ops()
     assert torch.ops.hanzo.get_rows(w, bad, "Q8_0", torch.float32).cpu()[1].isnan().all()
+
+
+def test_empty_shapes():
+    w = torch.zeros(3, 0, dtype=torch.uint8).to(DEV)  # K = 0: the sums are empty
+    y = torch.ops.hanzo.mul_mat(torch.randn(2, 0).to(DEV), w, "Q4_0").cpu()
+    assert y.shape == (2, 3) and torch.equal(y, torch.zeros(2, 3))
+    y = torch.ops.hanzo.swiglu_mul_mat(torch.randn(2, 0).to(DEV), w, w, "Q4_0", "Q4_0").cpu()
+    assert y.shape == (2, 3) and torch.equal(y, torch.zeros(2, 3))
+    w = random_packed("Q4_0", (3, 64), seed=19).to(DEV)
+    assert torch.ops.hanzo.mul_mat(torch.randn(0, 64).to(DEV), w, "Q4_0").shape == (0, 3)
+    assert torch.ops.hanzo.get_rows(w, torch.zeros(0, 2, dtype=torch.long).to(DEV), "Q4_0",
+                                    torch.float32).shape == (0, 2, 64)

@@ -157,6 +157,13 @@ void run_mul_mat(const at::Tensor& x2, const at::Tensor& w, const Fmt& f, c10::s
   }
 }
 
+// rows of x [..., K]: the product of its leading dims (also when K == 0)
+int64_t leading(const at::Tensor& x) {
+  int64_t m = 1;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) m *= x.size(i);
+  return m;
+}
+
 at::Tensor rows_to(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(N);
@@ -169,7 +176,7 @@ at::Tensor mul_mat_vk(const at::Tensor& x, const at::Tensor& w, c10::string_view
     static auto ref = ref_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>("hanzo_ref::mul_mat");
     return ref.call(x, w, qtype);
   }
-  const int64_t K = x.size(-1), N = w.size(0), M = K == 0 ? 0 : x.numel() / K;
+  const int64_t K = x.size(-1), N = w.size(0), M = leading(x);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
     if (K == 0) {
@@ -231,7 +238,7 @@ at::Tensor swiglu_mul_mat_vk(const at::Tensor& x, const at::Tensor& wg, const at
                                         c10::string_view)>("hanzo_ref::swiglu_mul_mat");
     return ref.call(x, wg, wu, qg, qu);
   }
-  const int64_t K = x.size(-1), F = wg.size(0), M = K == 0 ? 0 : x.numel() / K;
+  const int64_t K = x.size(-1), F = wg.size(0), M = leading(x);
   at::Tensor y = at::empty({M, F}, x.options());
   if (M == 0 || F == 0) return rows_to(y, x, F);
   if (K == 0) return rows_to(y.zero_(), x, F);  // silu(0) * 0
