@@ -1,7 +1,7 @@
 // hz: formats F32 F16 BF16 Q1_0 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M IQ4_NL IQ4_XS TQ1_0 TQ2_0 MXFP4 NVFP4
 // The format layer of the Vulkan shaders: one rule per ggml format, selected at compile time by
 // HZ_FMT_<NAME> (the build compiles each `// hz: per-format` shader once per format of the list
-// above; a shader without a format defines HZ_NO_FORMAT and gets the dtype helpers only). A rule is
+// above; a shader without a format defines HZ_NO_FORMAT and gets the dtype functions only). A rule is
 //     float hz_elem(uint64_t blk, uint j)
 // the float32 value of in-block element j (0 <= j < HZ_QK) of the block at byte address blk, plus
 // the constants HZ_QK (values per block), HZ_TS (bytes per block) and HZ_GROUP_LEN (values per
@@ -14,7 +14,7 @@
 // buffer_reference. The float arithmetic of each rule follows the
 // order of operations of the registry's dequantizers (and of gguf.quants), and every float result
 // is `precise` (no multiply-add contraction), so dequantize/get_rows are bit-exact with the
-// reference. Activation and output helpers for float32 / float16 / bfloat16 tensors are at the end
+// reference. Activation and output functions for float32 / float16 / bfloat16 tensors are at the end
 // (float16 and bfloat16 results are rounded to nearest even in integer arithmetic, as torch rounds).
 #ifndef HZ_FORMATS_GLSL
 #define HZ_FORMATS_GLSL

@@ -40,11 +40,29 @@ void main() {
     for (uint i = 0u; i < 4u; ++i)
         for (uint j = 0u; j < 4u; ++j) acc[i][j] = 0.0;
     for (uint k0 = 0u; k0 < pc.K; k0 += BK) {
-        for (uint q = 0u; q < 4u; ++q) {  // 64 x 16 values of each operand, 4 per invocation
+        if (HZ_QK % 8u == 0u) {
+            // the weight tile as 128 runs of 8 values of one block (block address and scales once
+            // per run; K is a multiple of the block size, so a run is whole or wholly past K)
+            if (lid < 128u) {
+                uint r = lid / 2u, kk0 = (lid % 2u) * 8u, n = n0 + r, k = k0 + kk0;
+                if (n < pc.N && k < pc.K) {
+                    uint64_t blk = pc.w + uint64_t(n) * pc.row_bytes + uint64_t(k / HZ_QK) * HZ_TS;
+                    uint j0 = k % HZ_QK;
+                    for (uint i = 0u; i < 8u; ++i) ws[kk0 + i][r] = hz_elem(blk, j0 + i);
+                } else {
+                    for (uint i = 0u; i < 8u; ++i) ws[kk0 + i][r] = 0.0;
+                }
+            }
+        } else {
+            for (uint q = 0u; q < 4u; ++q) {  // dense formats: 64 x 16 values, 4 per invocation
+                uint l = lid + 256u * q;
+                uint r = l / BK, kk = l % BK, k = k0 + kk, n = n0 + r;
+                ws[kk][r] = (n < pc.N && k < pc.K) ? hz_value_at(pc.w + uint64_t(n) * pc.row_bytes, k) : 0.0;
+            }
+        }
+        for (uint q = 0u; q < 4u; ++q) {  // the activation tile, 64 x 16 values, 4 per invocation
             uint l = lid + 256u * q;
-            uint r = l / BK, kk = l % BK, k = k0 + kk;
-            uint n = n0 + r, m = m0 + r;
-            ws[kk][r] = (n < pc.N && k < pc.K) ? hz_value_at(pc.w + uint64_t(n) * pc.row_bytes, k) : 0.0;
+            uint r = l / BK, kk = l % BK, k = k0 + kk, m = m0 + r;
             xs[kk][r] = (m < pc.M && k < pc.K) ? hz_load(pc.x, pc.x_dtype, uint64_t(m) * pc.x_stride + k) : 0.0;
         }
         barrier();
