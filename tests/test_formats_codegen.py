@@ -1,12 +1,16 @@
-"""csrc/cpu/ggml_blocks.h is generated from the format registry and must not drift from it.
+"""csrc/cpu/ggml_blocks.h and csrc/vulkan/shaders/ggml_blocks.glsl are generated from the format
+registry and must not drift from it.
 
-The header gives the C++ kernels their block structs, field offsets, type ids and table slots;
-regenerating it from the registry and comparing with the committed file catches a layout edited
-on one side only (run ``python -m hanzo_torch.formats.codegen`` to rewrite it).
+The header gives the C++ kernels their block structs, field offsets, type ids and table slots; the
+GLSL file gives the Vulkan shaders the same offsets and sizes as constants and the tables as const
+arrays. Regenerating them from the registry and comparing with the committed files catches a layout
+edited on one side only (run ``python -m hanzo_torch.formats.codegen`` to rewrite them).
 """
 from __future__ import annotations
 
 import re
+
+import torch
 
 import hanzo_torch
 from hanzo_torch.formats import codegen
@@ -55,3 +59,49 @@ def test_table_slots_hold_the_registry_grids():
         assert f"HZ_TABLE_{name}_{table.upper()} = {slot}," in text
     # IQ1_M reads IQ1_S's grid: one slot for both
     assert "HZ_TABLE_IQ1_M_GRID = " + str(next(s for s, n, *_ in slots if n == "IQ1_S")) in text
+
+
+def test_committed_glsl_is_the_generated_one():
+    committed = codegen.GLSL_PATH.read_text()
+    assert committed == codegen.render_glsl(), (
+        f"{codegen.GLSL_PATH} differs from the registry: run python -m hanzo_torch.formats.codegen")
+
+
+def test_check_mode_covers_the_glsl(tmp_path, capsys):
+    path = tmp_path / "ggml_blocks.glsl"
+    assert codegen.main(["--glsl-output", str(path)]) == 0 and path.read_text() == codegen.render_glsl()
+    assert codegen.main(["--check", "--glsl-output", str(path)]) == 0
+    path.write_text(codegen.render_glsl().replace("#define HZ_Q4_K_qs 16u", "#define HZ_Q4_K_qs 17u"))
+    assert codegen.main(["--check", "--glsl-output", str(path)]) == 1
+    assert str(path) in capsys.readouterr().err
+
+
+def test_glsl_defines_every_format_layout():
+    text = codegen.render_glsl()
+    for fmt in hanzo_torch.FORMATS.values():
+        p = f"HZ_{fmt.name}"
+        assert f"#define {p}_TYPE_ID {fmt.type_id}\n" in text, fmt.name
+        assert f"#define {p}_QK {fmt.block_size}u\n" in text, fmt.name
+        assert f"#define {p}_TS {fmt.type_size}u\n" in text, fmt.name
+        assert f"#define {p}_GROUP_LEN {fmt.group_len}u\n" in text, fmt.name
+        for f in fmt.fields:
+            assert re.search(rf"#define {p}_{f.name} {f.offset}u\b", text), (fmt.name, f.name)
+
+
+def test_glsl_tables_hold_the_registry_tables():
+    text = codegen.render_glsl()
+    for fmt in hanzo_torch.FORMATS.values():
+        for name, table in fmt.tables.items():
+            want = table.cpu.reshape(-1)
+            if want.numel() > codegen.INLINE_TABLE_MAX:  # uploaded at run time: only its size is in the file
+                assert f"#define HZ_{fmt.name}_TABLE_{name.upper()}_NUMEL {want.numel()}u " in text, (fmt.name, name)
+                continue
+            arr = codegen.glsl_table_name(fmt, name)
+            assert f"#define HZ_{fmt.name}_TABLE_{name.upper()} {arr} " in text, (fmt.name, name)
+            m = re.search(rf"const int {arr}\[(\d+)\] = int\[\]\((.*?)\);", text)
+            got = torch.tensor([float(v) for v in m.group(2).split(",")])
+            assert int(m.group(1)) == want.numel() and torch.equal(got, want.float()), (fmt.name, name)
+            # compiled into the shaders of every format that reads it
+            guard = text[:m.start()].rsplit("#if ", 1)[1]
+            assert f"defined(HZ_FMT_{fmt.name})" in guard, (fmt.name, name)
+    assert codegen.glsl_table_name(hanzo_torch.get_format("IQ4_XS"), "kvalues") == "hz_kvalues_iq4_nl"

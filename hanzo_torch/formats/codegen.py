@@ -1,7 +1,8 @@
-"""C++ block definitions generated from the format registry: ``csrc/cpu/ggml_blocks.h``.
+"""Block definitions generated from the format registry: ``csrc/cpu/ggml_blocks.h`` (C++) and
+``csrc/vulkan/shaders/ggml_blocks.glsl`` (GLSL).
 
-``python -m hanzo_torch.formats.codegen`` rewrites the header; ``--check`` exits with status 1
-(and says which file) when the committed header differs from what the registry gives. The
+``python -m hanzo_torch.formats.codegen`` rewrites both; ``--check`` exits with status 1 (and says
+which file) when a committed file differs from what the registry gives. The
 header is ggml's ``ggml-common.h`` in style: one ``block_<type>`` struct per quantized format
 with its fields, types and ``static_assert`` sizes and offsets, plus each format's ggml type
 id, block size (``type_id``, ``qk`` as static members) and ``vec_dot_type``, and the format's
@@ -9,8 +10,18 @@ constant tables: the small ones (the 16 levels of a 4-bit code) as ``int8_t`` ar
 codebook grids as numbered slots (``HzTableSlot``) that the CPU backend fills at run time from
 the same registry tables (:func:`table_slots`).
 
-The default test suite regenerates the header and compares it with the file
-(tests/test_formats_codegen.py), so the two cannot drift apart.
+The GLSL file gives the Vulkan shaders the same facts as preprocessor constants (GLSL has no
+packed structs: the shaders read bytes at field offsets): per format ``HZ_<NAME>_QK`` (values per
+block), ``HZ_<NAME>_TS`` (bytes per block), ``HZ_<NAME>_GROUP_LEN``, ``HZ_<NAME>_TYPE_ID`` and
+``HZ_<NAME>_<field>`` (byte offset of each block field), and the tables: up to
+:data:`INLINE_TABLE_MAX` entries as GLSL ``const int[]`` arrays, compiled only into the shaders
+of the formats that read them (``#if defined(HZ_FMT_<NAME>)``); the larger ones (the i-quant
+grids) only by size (``HZ_<NAME>_TABLE_<TABLE>_NUMEL``): the Vulkan backend uploads them once
+from the registry as int8 buffers whose address the shaders take (lavapipe spends from seconds
+to minutes compiling a dynamically indexed ``const`` array of 512+ words, measured).
+
+The default test suite regenerates both files and compares them with the committed ones
+(tests/test_formats_codegen.py), so they cannot drift apart from the registry.
 """
 from __future__ import annotations
 
@@ -22,10 +33,14 @@ import torch
 
 from . import FORMATS, Format
 
-__all__ = ["HEADER_PATH", "block_struct_name", "table_slots", "render_header", "main"]
+__all__ = ["HEADER_PATH", "GLSL_PATH", "block_struct_name", "table_slots", "render_header", "render_glsl",
+           "glsl_table_name", "main"]
 
 HEADER_PATH = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "ggml_blocks.h"
 """Where the generated header lives in a checkout."""
+
+GLSL_PATH = Path(__file__).resolve().parents[2] / "csrc" / "vulkan" / "shaders" / "ggml_blocks.glsl"
+"""Where the generated GLSL block definitions live in a checkout."""
 
 INLINE_TABLE_MAX = 64
 """Tables with at most this many entries are written into the header; larger ones get a slot."""
@@ -117,20 +132,93 @@ def render_header() -> str:
     return "\n".join(w)
 
 
+def glsl_table_name(fmt: Format, table: str) -> str:
+    """Name of the GLSL ``const`` array of the small table ``table`` of ``fmt`` (``hz_kvalues_mxfp4``);
+    formats that share one table object share the array of the first of them (IQ4_XS reads
+    ``hz_kvalues_iq4_nl``)."""
+    obj = id(fmt.tables[table])
+    for other in FORMATS.values():
+        for name, t in other.tables.items():
+            if id(t) == obj:
+                return f"hz_{name}_{other.name.lower()}"
+    raise KeyError(f"{fmt.name} has no table {table!r}")
+
+
+def render_glsl() -> str:
+    """The text of ``csrc/vulkan/shaders/ggml_blocks.glsl`` for the formats registered now."""
+    w = [
+        "// Block layouts and tables of the ggml formats for the Vulkan shaders, GENERATED from the format",
+        "// registry (hanzo_torch/formats) by `python -m hanzo_torch.formats.codegen`: edit the registry, not",
+        "// this file. tests/test_formats_codegen.py fails when the two differ.",
+        "// Per format NAME: HZ_NAME_TYPE_ID (ggml type id), HZ_NAME_QK (values per block), HZ_NAME_TS",
+        "// (bytes per block), HZ_NAME_GROUP_LEN (values per scale group, 0 for dense types) and",
+        "// HZ_NAME_<field>: the byte offset of each field of ggml's block struct. Tables of up to "
+        f"{INLINE_TABLE_MAX} entries",
+        "// are const int[] arrays, compiled in when a format that reads them (HZ_FMT_<NAME>) or",
+        "// HZ_ALL_TABLES is defined; larger ones (HZ_NAME_TABLE_<TABLE>_NUMEL int8 entries) are uploaded",
+        "// at run time from the same registry tables and read through the shader's table address.",
+        "#ifndef HZ_GGML_BLOCKS_GLSL",
+        "#define HZ_GGML_BLOCKS_GLSL",
+        "",
+    ]
+    users: dict[str, list[str]] = {}
+    for fmt in FORMATS.values():
+        for name in fmt.tables:
+            users.setdefault(glsl_table_name(fmt, name), []).append(fmt.name)
+    for fmt in FORMATS.values():
+        p = f"HZ_{fmt.name}"
+        kind = "dense" if fmt.dense else f"{fmt.group_len} values per scale group, dotted with {fmt.vec_dot_type}"
+        w.append(f"// {fmt.name}: ggml type {fmt.type_id}, {fmt.block_size} values in {fmt.type_size} bytes, {kind}")
+        w.append(f"#define {p}_TYPE_ID {fmt.type_id}")
+        w.append(f"#define {p}_QK {fmt.block_size}u")
+        w.append(f"#define {p}_TS {fmt.type_size}u")
+        w.append(f"#define {p}_GROUP_LEN {fmt.group_len}u")
+        for f in fmt.fields:
+            w.append(f"#define {p}_{f.name} {f.offset}u  // {f.ctype} {f.name}{f'[{f.count}]' if f.count else ''}")
+        for name, t in _tables(fmt):
+            if t.numel() > INLINE_TABLE_MAX:
+                w.append(f"#define {p}_TABLE_{name.upper()}_NUMEL {t.numel()}u  // int8 {tuple(t.shape)}, uploaded at run time")
+                continue
+            arr = glsl_table_name(fmt, name)
+            w.append(f"#define {p}_TABLE_{name.upper()} {arr}  // {t.numel()} int8 entries, {tuple(t.shape)}")
+            if users[arr][0] != fmt.name:
+                continue  # declared by the first format that reads it
+            cond = " || ".join(f"defined(HZ_FMT_{u})" for u in users[arr]) + " || defined(HZ_ALL_TABLES)"
+            w.append(f"#if {cond}")
+            vals = ", ".join(str(int(v)) for v in t.reshape(-1).tolist())
+            w.append(f"const int {arr}[{t.numel()}] = int[]({vals});")
+            w.append("#endif")
+        w.append("")
+    w.append("#endif  // HZ_GGML_BLOCKS_GLSL")
+    return "\n".join(w) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hanzo_torch.formats.codegen", description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="compare with the committed header instead of writing it")
-    p.add_argument("-o", "--output", type=Path, default=HEADER_PATH, help="header path (default: %(default)s)")
+    p.add_argument("--check", action="store_true", help="compare with the committed files instead of writing them")
+    p.add_argument("-o", "--output", type=Path, default=None,
+                   help=f"C++ header path (default: {HEADER_PATH}); naming only one output handles only that one")
+    p.add_argument("--glsl-output", type=Path, default=None, help=f"GLSL path (default: {GLSL_PATH})")
     a = p.parse_args(argv)
-    text = render_header()
-    if a.check:
-        old = a.output.read_text() if a.output.exists() else None
-        if old != text:
-            print(f"{a.output} is out of date: run python -m hanzo_torch.formats.codegen", file=sys.stderr)
-            return 1
-        return 0
-    a.output.write_text(text)
-    return 0
+    outputs = []
+    if a.output is None and a.glsl_output is None:
+        outputs = [(HEADER_PATH, render_header), (GLSL_PATH, render_glsl)]
+    if a.output is not None:
+        outputs.append((a.output, render_header))
+    if a.glsl_output is not None:
+        outputs.append((a.glsl_output, render_glsl))
+    status = 0
+    for path, render in outputs:
+        text = render()
+        if a.check:
+            old = path.read_text() if path.exists() else None
+            if old != text:
+                print(f"{path} is out of date: run python -m hanzo_torch.formats.codegen", file=sys.stderr)
+                status = 1
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return status
 
 
 if __name__ == "__main__":

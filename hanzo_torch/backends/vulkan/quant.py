@@ -1,0 +1,57 @@
+"""The quantized-op kernels of the Vulkan backend (``csrc/vulkan/ops_quant.cpp``): their format
+table and reference mode.
+
+The kernels of ``dequantize``, ``get_rows``, ``mul_mat``, ``mul_mat_id`` and ``swiglu_mul_mat``
+register themselves on the vulkan (PrivateUse1) dispatch key when the extension loads; the first
+of them to run calls :func:`configure` (from C++), which gives them the rule table: the formats of
+``csrc/vulkan/shaders/formats.glsl`` with their block sizes from the registry, and the i-quant
+grids (too large for GLSL constants), copied to the device once. The registry's other quantized
+formats run the reference with one warning per format. Reference mode
+(:func:`hanzo_torch.ops.use_reference`, ``HANZO_<OP>_FALLBACK=1``) is mirrored into the kernels
+through ``torch.ops.hanzo_vulkan.quant_set_reference``.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+__all__ = ["configure"]
+
+_subscribed: list = []
+
+
+def _tables(fmt) -> torch.Tensor:
+    """The format's large table (an i-quant grid) as int8 values, or an empty tensor (the small
+    tables are GLSL constants of ggml_blocks.glsl)."""
+    from ...formats.codegen import INLINE_TABLE_MAX
+
+    big = [t.cpu for t in fmt.tables.values() if t.cpu.numel() > INLINE_TABLE_MAX]
+    assert len(big) <= 1, f"{fmt.name}: the Vulkan rules read one large table per format"
+    return big[0].reshape(-1).to(torch.int8).contiguous() if big else torch.empty(0, dtype=torch.int8)
+
+
+def configure(formats=None) -> None:
+    """Hand the rule table (ggml names ``formats``, default the backend's
+    :func:`~hanzo_torch.backends.vulkan.rule_formats`) and the reference modes to the kernels.
+
+    Called once the device runs (the grids are copied to it); later calls change nothing. Raises
+    RuntimeError when the extension with the kernels is not loaded.
+    """
+    from ...formats import FORMATS, get_format
+    from ...ops import _dispatch
+
+    backend = importlib.import_module(__package__)
+    fmts = [get_format(n) for n in (backend.rule_formats() if formats is None else formats)]
+    names = [f.name for f in fmts]
+    lacking = [f.name for f in FORMATS.values() if not f.dense and f.name not in names]
+    ops = torch.ops.hanzo_vulkan
+    ops.quant_configure(names, [f.block_size for f in fmts], [f.type_size for f in fmts],
+                        [_tables(f) for f in fmts], lacking)
+    if "quant_set_reference" in getattr(backend, "_REFERENCE_SETTERS", ()):
+        return  # the backend mirrors reference mode into every ops file
+    for op in _dispatch.reference_ops():
+        ops.quant_set_reference(op, True)
+    if not _subscribed:
+        _subscribed.append(True)
+        _dispatch.on_reference_change(lambda op, on: torch.ops.hanzo_vulkan.quant_set_reference(op, on))
