@@ -14,12 +14,27 @@ layout(push_constant) uniform Push {
     uint dt, dt_c, pos32;
 } p;
 
-// Correctly rounded a / b (the driver's division may be off by ulps): quotient, exact residual
-// by fma, one correction step.
+// a / b correctly rounded (round to nearest even), as IEEE division on the CPU: Vulkan lets a
+// driver's division be off by 2.5 ulp. Integer long division of the 24-bit significands; zero,
+// subnormal, infinite or NaN operands and results outside the normal range use the driver's
+// division (exact there for zeros, infinities and NaN; q8_0 scales are never that small).
 float fz_div(float a, float b) {
-    precise float q = a / b;
-    precise float r = fma(-q, b, a);
-    return fma(r, 1.0 / b, q);
+    const uint ua = floatBitsToUint(a), ub = floatBitsToUint(b);
+    const int ea = int((ua >> 23) & 0xffu), eb = int((ub >> 23) & 0xffu);
+    if (ea == 0 || ea == 255 || eb == 0 || eb == 255) return a / b;
+    const uint64_t ma = uint64_t((ua & 0x7fffffu) | 0x800000u), mb = uint64_t((ub & 0x7fffffu) | 0x800000u);
+    const uint64_t num = ma << 40, quo = num / mb;  // quo in [2^39, 2^41)
+    const bool rest = quo * mb != num;
+    const uint shift = quo >= (uint64_t(1) << 40) ? 17u : 16u;
+    uint m = uint(quo >> shift);
+    const uint64_t low = quo & ((uint64_t(1) << shift) - 1ul), halfway = uint64_t(1) << (shift - 1u);
+    if (low > halfway || (low == halfway && (rest || (m & 1u) != 0u))) ++m;
+    const int e = int(shift) - 40 + ea - eb;  // a / b = m * 2^e
+    // the result's biased exponent: m in [2^23, 2^24] scaled by 2^e
+    const int biased = e + 150 + (m == 0x1000000u ? 1 : 0);
+    if (biased <= 0 || biased >= 255) return a / b;
+    const uint bits = (m == 0x1000000u ? 0u : (m & 0x7fffffu)) | (uint(biased) << 23);
+    return uintBitsToFloat(bits | ((ua ^ ub) & 0x80000000u));
 }
 
 // ggml roundf: half-way cases away from zero

@@ -17,13 +17,16 @@ layout(push_constant) uniform Push {
 
 shared float red[FZ_WG];
 
-// sin and cos of a float32 angle: x = n * pi/2 + r with a three-part pi/2 (exact products by
-// fma below |x| ~ 1e5), then minimax polynomials on |r| <= pi/4 (about 1 ulp).
+// sin and cos of a float32 angle: x = n * pi/2 + r, with pi/2 in four parts, the first three of
+// 8 significant bits, so that n * part is exact (|n| < 2^16, angles below ~1e5) and each
+// subtraction exact or as small as r (Cody-Waite; fma is not needed, which the driver may not
+// fuse), then minimax polynomials on |r| <= pi/4 (about 1 ulp).
 void fz_sincos(float x, out float s, out float c) {
     const float n = roundEven(x * 0.636619772367581343);
-    precise float r = fma(n, -1.57079601e+00, x);
-    r = fma(n, -3.13916473e-07, r);
-    r = fma(n, -5.39030253e-15, r);
+    precise float r = x - n * 1.5703125;
+    r = r - n * 4.825592041015625e-4;
+    r = r - n * 1.2665987014770508e-6;
+    r = r - n * 9.92093629470503e-10;
     const float z = r * r;
     const float sp = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4));
     const float cp = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5));
@@ -64,8 +67,10 @@ void main() {
             x1 = (x1 * inv) * fz_load(w, p.dt_w, i);
             x2 = (x2 * inv) * fz_load(w, p.dt_w, i + half_d);
         }
+        // rounded to float32 as the reference's angle (no fusing into the range reduction's fma)
+        precise float angle = position * FzF32(p.inv_freq).v[i];
         float s, c;
-        fz_sincos(position * FzF32(p.inv_freq).v[i], s, c);
+        fz_sincos(angle, s, c);
         fz_store(dst, p.dt, i, x1 * c - x2 * s);
         fz_store(dst, p.dt, i + half_d, x2 * c + x1 * s);
     }
