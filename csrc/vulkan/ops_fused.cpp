@@ -1,7 +1,7 @@
 // Vulkan kernels of the fused transformer ops (hanzo::rms_norm, add_rms_norm, qk_norm_rope,
 // swiglu, kv_cache_write, attention, moe_route), registered on the PrivateUse1 ("vulkan") key.
 //
-// Each kernel records one compute dispatch (attention: two when it splits the keys) of a shader
+// Each kernel records one compute dispatch of a shader
 // in csrc/vulkan/shaders/ and returns without waiting, like a CUDA kernel launch. Tensors reach
 // the shaders as buffer device addresses (hz::vk::address) in push constants; dtypes are
 // run-time codes (fused.glsl), so one pipeline per op serves f32/f16/bf16 activations and
@@ -29,6 +29,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace hz {
 namespace vk {
@@ -49,8 +50,6 @@ bool set_reference(const std::string& op, bool enabled) {
         }
     return false;
 }
-
-std::vector<std::string> native_ops() { return std::vector<std::string>(kOpNames, kOpNames + N_OPS); }
 
 }  // namespace fused
 }  // namespace vk
@@ -296,15 +295,28 @@ void kv_cache_write_vk(at::Tensor& kc, at::Tensor& vc, const at::Tensor& k_in, c
 // attention
 // ---------------------------------------------------------------------------------------------
 struct AttnPush {
-    uint64_t q, kc, vc, out, pos, part;
+    uint64_t q, kc, vc, out, pos, part, counter;
     uint32_t BT, T, S, Hq, Hk, D;
-    uint32_t dt, dt_c, pos32, nsplit, mode;
+    uint32_t dt, dt_c, pos32, nsplit;
     float scale;
 };
 
 constexpr int64_t kAttnChunk = 64;        // keys per chunk of the shader (FZ_CHUNK)
 constexpr int64_t kAttnBusyGroups = 128;  // (b, t, kv head) workgroups from which no split is needed
 constexpr int64_t kAttnMaxSplit = 32;     // key splits per (b, t, kv head) at most
+
+// The split attention's completion counters: int32 [n] zeros on the device, kept between calls
+// (the shader leaves every counter it used at 0 again) and grown on demand. Dispatches are
+// serialized by the runtime's barriers, so one array serves every call.
+at::Tensor attention_counters(int64_t n, const at::Device& device) {
+    static std::mutex mu;
+    static auto* counters = new std::map<int, at::Tensor>();  // by device index; never destroyed (exit order)
+    std::lock_guard<std::mutex> lock(mu);
+    at::Tensor& c = (*counters)[static_cast<int>(device.index())];
+    if (!c.defined() || c.numel() < n)
+        c = at::zeros({std::max<int64_t>(n, 1024)}, at::TensorOptions().dtype(at::kInt).device(device));
+    return c;
+}
 
 using AttnRefSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                               c10::string_view);
@@ -336,20 +348,18 @@ at::Tensor attention_vk(const at::Tensor& q_in, const at::Tensor& kc, const at::
     const int64_t nsplit = items >= kAttnBusyGroups
                                ? 1
                                : std::max<int64_t>(1, std::min({chunks, kAttnMaxSplit, kAttnBusyGroups / items}));
-    AttnPush pc{addr(q), addr(kc), addr(vc), addr(out), addr(pos), 0, static_cast<uint32_t>(B * T),
+    AttnPush pc{addr(q), addr(kc), addr(vc), addr(out), addr(pos), 0, 0, static_cast<uint32_t>(B * T),
                 static_cast<uint32_t>(T), static_cast<uint32_t>(S), static_cast<uint32_t>(Hq),
                 static_cast<uint32_t>(Hk), static_cast<uint32_t>(D), dt, dt_c, pos32, static_cast<uint32_t>(nsplit),
-                0, static_cast<float>(scale)};
-    if (nsplit == 1) {
-        dispatch_groups("attention", &pc, sizeof(pc), items);
-        return out;
+                static_cast<float>(scale)};
+    at::Tensor part;
+    if (nsplit > 1) {
+        const int64_t G = Hq / Hk;
+        part = at::empty({items * nsplit * G * (D + 2)}, q.options().dtype(at::kFloat));
+        pc.part = addr(part);
+        pc.counter = addr(attention_counters(items, q.device()));
     }
-    const int64_t G = Hq / Hk;
-    at::Tensor part = at::empty({items * nsplit * G * (D + 2)}, q.options().dtype(at::kFloat));
-    pc.part = addr(part);
     dispatch_groups("attention", &pc, sizeof(pc), items, static_cast<uint32_t>(nsplit));
-    pc.mode = 1;
-    dispatch_groups("attention", &pc, sizeof(pc), items);
     return out;
 }
 
@@ -382,6 +392,13 @@ std::tuple<at::Tensor, at::Tensor> moe_route_vk(const at::Tensor& logits_in, c10
 }
 
 }  // namespace
+
+// Reference mode of these ops, mirrored from hanzo_torch.ops (hanzo_torch/backends/vulkan calls
+// it for the ops in reference mode at start and on every change): true when `op` is one of them.
+TORCH_LIBRARY_FRAGMENT(hanzo_vulkan, m) {
+    m.def("fused_set_reference(str op, bool enabled) -> bool",
+          [](c10::string_view op, bool enabled) { return hz::vk::fused::set_reference(std::string(op), enabled); });
+}
 
 TORCH_LIBRARY_IMPL(hanzo, PrivateUse1, m) {
     m.impl("rms_norm", TORCH_FN(rms_norm_vk));

@@ -8,8 +8,9 @@
 // for all G heads. Keys 0..position (a position >= S sees the whole cache, a negative one
 // nothing: zeros) go in chunks of 64 with an online softmax (running max m, sum l, unnormalized
 // acc per head). Chunks c = split, split + nsplit, ...: with nsplit == 1 the workgroup writes
-// the output; otherwise it writes its (m, l, acc) to the float32 workspace `part` and
-// mode 1 (one workgroup per (b, t, kv head)) merges the nsplit states:
+// the output; otherwise it writes its (m, l, acc) to the float32 workspace `part`, and the last
+// of the nsplit workgroups of its (b, t, kv head) to finish (a per-item counter, atomically
+// incremented, then reset to 0 for the next dispatch) merges the states in the same dispatch:
 // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
 // Limits (ops_fused.cpp sends other calls to the reference): G <= 16, D <= 256, G * D <= 2048.
 #include "fused.glsl"
@@ -20,11 +21,16 @@
 layout(local_size_x = 64) in;
 
 layout(push_constant) uniform Push {
-    uint64_t q, kc, vc, out_, pos, part;
+    uint64_t q, kc, vc, out_, pos, part, counter;  // counter: uint [BT * Hk], zero between dispatches
     uint BT, T, S, Hq, Hk, D;
-    uint dt, dt_c, pos32, nsplit, mode;
+    uint dt, dt_c, pos32, nsplit;
     float scale;
 } p;
+
+// The workspace and counters are shared between the workgroups of one item.
+layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer FzPart { float v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer FzCounter { uint v[]; };
+shared bool last_sh;
 
 shared float q_sh[2048];
 shared float s_sh[FZ_MAX_G * FZ_CHUNK];
@@ -41,7 +47,7 @@ void merge(uint item, uint G) {
     const uint64_t base = p.part + uint64_t(item) * p.nsplit * state * 4u;
     for (uint g = 0u; g < G; ++g) {
         float M = FZ_NEG_INF;
-        for (uint s = 0u; s < p.nsplit; ++s) M = max(M, FzF32(base + uint64_t(s) * state * 4u).v[g]);
+        for (uint s = 0u; s < p.nsplit; ++s) M = max(M, FzPart(base + uint64_t(s) * state * 4u).v[g]);
         for (uint d = tid; d < D; d += FZ_WG) {
             float L = 0.0, o = 0.0;
             if (M != FZ_NEG_INF) {
@@ -63,10 +69,6 @@ void main() {
     const uint item = fz_group_index();
     if (item >= p.BT * p.Hk) return;
     const uint G = p.Hq / p.Hk, D = p.D, tid = gl_LocalInvocationID.x;
-    if (p.mode == 1u) {
-        merge(item, G);
-        return;
-    }
     const uint split = gl_WorkGroupID.z, bt = item / p.Hk, hk = item % p.Hk, b = bt / p.T;
     const int64_t pos = fz_position(p.pos, p.pos32, bt);
     const uint nkeys = pos < 0 ? 0u : pos >= int64_t(p.S) ? p.S : uint(pos) + 1u;
@@ -143,7 +145,7 @@ void main() {
         return;
     }
     const uint state = G * (D + 2u);
-    FzF32 st = FzF32(p.part + (uint64_t(item) * p.nsplit + split) * state * 4u);
+    FzPart st = FzPart(p.part + (uint64_t(item) * p.nsplit + split) * state * 4u);
     if (tid < G) {
         st.v[tid] = m_sh[tid];
         st.v[G + tid] = l_sh[tid];
@@ -153,4 +155,13 @@ void main() {
         if (d >= D) break;
         for (uint g = 0u; g < G; ++g) st.v[2u * G + g * D + d] = acc[slot * G + g];
     }
+    // the last workgroup of this item to get here merges the nsplit states
+    memoryBarrierBuffer();
+    barrier();
+    if (tid == 0u) last_sh = atomicAdd(FzCounter(p.counter).v[item], 1u) == p.nsplit - 1u;
+    barrier();
+    if (!last_sh) return;
+    memoryBarrierBuffer();
+    merge(item, G);
+    if (tid == 0u) FzCounter(p.counter).v[item] = 0u;
 }
