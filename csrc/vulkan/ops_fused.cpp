@@ -1,8 +1,8 @@
 // Vulkan kernels of the fused transformer ops (hanzo::rms_norm, add_rms_norm, qk_norm_rope,
 // swiglu, kv_cache_write, attention, moe_route), registered on the PrivateUse1 ("vulkan") key.
 //
-// Each kernel records one compute dispatch of a shader
-// in csrc/vulkan/shaders/ and returns without waiting, like a CUDA kernel launch. Tensors reach
+// Each kernel records one compute dispatch of a shader in csrc/vulkan/shaders/ and returns
+// without waiting, like a CUDA kernel launch. Tensors reach
 // the shaders as buffer device addresses (hz::vk::address) in push constants; dtypes are
 // run-time codes (fused.glsl), so one pipeline per op serves f32/f16/bf16 activations and
 // f32/f16/bf16/q8_0 KV caches. The maths is the references' (hanzo_torch/ops/fused.py): float32
