@@ -169,13 +169,17 @@ def test_moe_route(dtype):
 
 
 def test_reference_mode_and_errors():
-    """Reference mode reaches the Vulkan kernels too, and bad arguments raise the reference's errors."""
+    """Reference mode reaches the Vulkan kernels (their own flags follow hanzo_torch.ops), and bad
+    arguments raise the reference's errors."""
     x, w = torch.randn(3, 64, generator=_g(14)), torch.randn(64, generator=_g(15))
     xv, wv = _vk(x, w)
+    assert "rms_norm" not in torch.ops.hanzo_vulkan.fused_reference_ops()
     with hanzo_torch.ops.use_reference("rms_norm"):
-        y = ops.rms_norm(xv, wv, 1e-6)
+        assert torch.ops.hanzo_vulkan.fused_reference_ops() == ["rms_norm"]
+        y = ops.rms_norm(xv, wv, 1e-6)  # the reference, on vulkan tensors
+    assert torch.ops.hanzo_vulkan.fused_reference_ops() == []
     assert y.device.type == DEV
-    torch.testing.assert_close(y.cpu(), ref.rms_norm(x, w, 1e-6), rtol=0, atol=0)
+    _close(y, ref.rms_norm(x, w, 1e-6), torch.float32, "rms_norm in reference mode")
     with pytest.raises(ValueError, match="w must be"):
         ops.rms_norm(xv, wv[:10], 1e-6)
     with pytest.raises(ValueError, match="multiple of KV heads"):

@@ -51,6 +51,14 @@ bool set_reference(const std::string& op, bool enabled) {
     return false;
 }
 
+// The ops whose kernels are in reference mode now.
+std::vector<std::string> reference_ops() {
+    std::vector<std::string> out;
+    for (int i = 0; i < N_OPS; ++i)
+        if (g_reference[i].load()) out.push_back(kOpNames[i]);
+    return out;
+}
+
 }  // namespace fused
 }  // namespace vk
 }  // namespace hz
@@ -394,10 +402,12 @@ std::tuple<at::Tensor, at::Tensor> moe_route_vk(const at::Tensor& logits_in, c10
 }  // namespace
 
 // Reference mode of these ops, mirrored from hanzo_torch.ops (hanzo_torch/backends/vulkan calls
-// it for the ops in reference mode at start and on every change): true when `op` is one of them.
+// fused_set_reference for the ops in reference mode at start and on every change; it returns
+// true when `op` is one of these ops), and the ops in reference mode now.
 TORCH_LIBRARY_FRAGMENT(hanzo_vulkan, m) {
     m.def("fused_set_reference(str op, bool enabled) -> bool",
           [](c10::string_view op, bool enabled) { return hz::vk::fused::set_reference(std::string(op), enabled); });
+    m.def("fused_reference_ops() -> str[]", [] { return hz::vk::fused::reference_ops(); });
 }
 
 TORCH_LIBRARY_IMPL(hanzo, PrivateUse1, m) {
