@@ -6,6 +6,7 @@ backend     dispatch key        kernels
 reference   any (default body)  the vectorized-torch references of :mod:`hanzo_torch.ops`
 cpu         CPU                 C++ (csrc/cpu), int8 dot products, AVX2 / AVX-512 VNNI / scalar
 triton      CUDA (and ROCm)     Triton, one source for both vendors
+vulkan      PrivateUse1         GLSL compute shaders through Vulkan (csrc/vulkan), device "vulkan"
 ==========  ==================  ===============================================================
 
 Every backend package has the same small interface:
@@ -30,7 +31,7 @@ from typing import Optional
 
 __all__ = ["NAMES", "BackendStatus", "get", "status", "activate", "check_environment"]
 
-NAMES = ("reference", "cpu", "triton")
+NAMES = ("reference", "cpu", "triton", "vulkan")
 """Every backend package, in the order :func:`status` lists them."""
 
 _lock = threading.RLock()
