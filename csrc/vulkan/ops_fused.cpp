@@ -338,7 +338,7 @@ at::Tensor attention_vk(const at::Tensor& q_in, const at::Tensor& kc, const at::
     if (ok) {
         const int64_t B = q_in.size(0), T = q_in.size(1), Hq = q_in.size(2), D = q_in.size(3), Hk = kc.size(2);
         ok = kc.size(0) == B && cache_ok(kc, D, &dt_c) && cache_ok(vc, D, &dt_vc) && dt_vc == dt_c && Hk > 0 &&
-             Hq % Hk == 0 && Hq / Hk <= 16 && D <= 256 && (Hq / Hk) * D <= 2048 && kc.size(1) < kMaxIndex &&
+             Hq % Hk == 0 && Hq / Hk <= 16 && (Hq / Hk) * D <= 2048 && kc.size(1) < kMaxIndex &&
              positions_ok(pos_in, B, T, &pos32);
     }
     if (!ok) {
