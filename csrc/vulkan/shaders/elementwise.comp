@@ -139,8 +139,9 @@ void main() {
         store_i(pc.out_, dto, io, v);
     } else {
         float x = load_f(pc.a, dta, ia), y = load_f(pc.b, dtb, ib), v;
-        if (pc.op == OP_ADD) v = pc.alpha == 1.0 ? x + y : x + pc.alpha * y;
-        else if (pc.op == OP_SUB) v = pc.alpha == 1.0 ? x - y : x - pc.alpha * y;
+        // alpha != 1: one fused multiply-add, as torch's vectorized CPU kernels compute it
+        if (pc.op == OP_ADD) v = pc.alpha == 1.0 ? x + y : fma(pc.alpha, y, x);
+        else if (pc.op == OP_SUB) v = pc.alpha == 1.0 ? x - y : fma(-pc.alpha, y, x);
         else v = x * y;
         store_f(pc.out_, dto, io, v);
     }
