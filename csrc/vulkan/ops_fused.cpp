@@ -2,11 +2,11 @@
 // swiglu, kv_cache_write, attention, moe_route), registered on the PrivateUse1 ("vulkan") key.
 //
 // Each kernel records one compute dispatch of a shader in csrc/vulkan/shaders/ and returns
-// without waiting, like a CUDA kernel launch. Tensors reach
-// the shaders as buffer device addresses (hz::vk::address) in push constants; dtypes are
-// run-time codes (fused.glsl), so one pipeline per op serves f32/f16/bf16 activations and
-// f32/f16/bf16/q8_0 KV caches. The maths is the references' (hanzo_torch/ops/fused.py): float32
-// statistics, softmax and P*V, one rounding to nearest even of each result to its dtype.
+// without waiting, like a CUDA kernel launch. Tensors reach the shaders as buffer device
+// addresses (hz::vk::address) in push constants; dtypes are run-time codes (fused.glsl), so
+// one pipeline per op serves f32/f16/bf16 activations and f32/f16/bf16/q8_0 KV caches. The
+// maths is the references' (hanzo_torch/ops/fused.py): float32 statistics, softmax and P*V,
+// one rounding to nearest even of each result to its dtype.
 //
 // As the CPU kernels do (csrc/cpu/ops.cpp), a kernel runs when the call fits it (vulkan
 // tensors of the dtypes and shapes its shader was written for: what it needs to be memory-safe,
