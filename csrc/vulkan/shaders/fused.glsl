@@ -1,4 +1,4 @@
-// Helpers of the fused-op shaders (rms_norm, add_rms_norm, qk_norm_rope, swiglu, kv_cache_write,
+// Shared code of the fused-op shaders (rms_norm, add_rms_norm, qk_norm_rope, swiglu, kv_cache_write,
 // attention, moe_route): typed views of 64-bit buffer device addresses, element loads and stores
 // by a run-time dtype code, and float32 <-> float16/bfloat16 conversions that round to nearest
 // even in integer arithmetic (bit-identical to torch's Tensor.to on every device, whatever the
