@@ -191,7 +191,7 @@ at::Tensor swiglu_vk(const at::Tensor& g_in, const at::Tensor& u_in) {
     at::Tensor y = at::empty_like(g);
     const int64_t n = g.numel();
     SwigluPush pc{addr(g), addr(u), addr(y), static_cast<uint32_t>(n), dt};
-    dispatch_groups("swiglu", &pc, sizeof(pc), (n + 255) / 256);
+    dispatch_groups("swiglu", &pc, sizeof(pc), (n + 127) / 128);  // 128 invocations a workgroup
     return y;
 }
 
@@ -312,6 +312,9 @@ struct AttnPush {
 constexpr int64_t kAttnChunk = 64;        // keys per chunk of the shader (FZ_CHUNK)
 constexpr int64_t kAttnBusyGroups = 128;  // (b, t, kv head) workgroups from which no split is needed
 constexpr int64_t kAttnMaxSplit = 32;     // key splits per (b, t, kv head) at most
+// shared memory of attention.comp: queries and accumulators [2048] each, scores [16 * 64], and
+// per-head m, l, correction [16] (a device with less runs the reference)
+constexpr uint32_t kAttnSharedBytes = 4 * (2 * 2048 + 16 * 64 + 3 * 16) + 4;
 
 // The split attention's completion counters: int32 [n] zeros on the device, kept between calls
 // (the shader leaves every counter it used at 0 again) and grown on demand. Dispatches are
@@ -339,7 +342,7 @@ at::Tensor attention_vk(const at::Tensor& q_in, const at::Tensor& kc, const at::
         const int64_t B = q_in.size(0), T = q_in.size(1), Hq = q_in.size(2), D = q_in.size(3), Hk = kc.size(2);
         ok = kc.size(0) == B && cache_ok(kc, D, &dt_c) && cache_ok(vc, D, &dt_vc) && dt_vc == dt_c && Hk > 0 &&
              Hq % Hk == 0 && Hq / Hk <= 16 && (Hq / Hk) * D <= 2048 && kc.size(1) < kMaxIndex &&
-             positions_ok(pos_in, B, T, &pos32);
+             positions_ok(pos_in, B, T, &pos32) && hz::vk::features().shared_memory_bytes >= kAttnSharedBytes;
     }
     if (!ok) {
         static auto ref = ref_op<AttnRefSig>("hanzo_ref::attention");

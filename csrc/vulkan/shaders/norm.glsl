@@ -2,8 +2,8 @@
 // rms_norm:     y = x * rsqrt(mean(x^2) + eps) * w
 // add_rms_norm: s = round(x + r) to the activation dtype (stored), y = rms_norm(s)
 // Statistics in float32, one rounding of y to the activation dtype; as hanzo_torch/ops/fused.py.
-#define FZ_WG 256u
-layout(local_size_x = 256) in;
+#define FZ_WG 128u
+layout(local_size_x = 128) in;
 
 layout(push_constant) uniform Push {
     uint64_t x, r, w, y, s;  // r and s: add_rms_norm only
