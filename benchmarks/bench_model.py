@@ -1,31 +1,57 @@
-"""Model-level CPU benchmark: pp<N> / tg<N> tokens/s, hanzo-torch side by side with llama.cpp.
+"""Model-level CPU benchmark: llama-bench style rows (pp<N>, tg<N>, at a depth), hanzo-torch vs llama.cpp.
 
-    python benchmarks/bench_model.py [--model PATH] [--threads 2] [--pp 128,512] [--tg 128]
-                                     [--reps 3] [--no-llama-cpp] [--profile]
+    python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
+        [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
+        [--llama-bench PATH] [--no-llama-cpp] [--attention-ab] [--busy N] [--busy-kind spin|matmul]
+        [--profile]
 
-Both engines run the same GGUF file in the same process, alternately (one measurement of each
-per round, ``--reps`` rounds), so load on a shared machine hits both alike; the table gives the
-medians and our/llama.cpp ratios. llama.cpp runs through ``llama-cpp-python`` (not a dependency:
-``pip install llama-cpp-python`` builds llama.cpp from source, ~15 min on 2 cores; keep it out
-of CI). Without it only our numbers are printed.
+Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
+per row per round, ``--reps`` rounds), so load on a shared machine hits them alike; the table gives
+medians, ranges and the ratio hanzo-torch / llama.cpp per row:
 
-Protocol (same for both engines):
+- hanzo-torch, in this process (``backend: cpu``, the instruction set in use is printed).
+- llama.cpp through ``llama-cpp-python`` in this process, if installed (not a dependency:
+  ``pip install llama-cpp-python`` builds llama.cpp from source, ~15 min on 2 cores; keep it out of
+  CI). ``--no-llama-cpp`` skips it.
+- ``--llama-bench PATH``: llama.cpp's own ``llama-bench`` binary as a subprocess, one
+  ``-r 1 -o json`` run per row per round (it loads the model and does its own warm-up run each
+  time; only its timed run counts). Depth rows use its ``-d`` (``--n-depth``) flag; a build
+  without it (older than mid-2025) gets "n/a" on those rows.
 
-- pp<N>: one forward of N random prompt tokens into an empty KV cache, logits of the last
-  position only (what generation needs); tokens/s = N / time.
-- tg<N>: a 16-token prompt, then N single-token decode steps (greedy on our side; llama.cpp is
-  fed the same token ids); tokens/s = 1 / median step time.
+Rows (``--rows``, comma-separated; ``--pp 128,512`` / ``--tg 128`` are shorthands for
+``pp128,pp512,tg128``), the protocol of llama-bench:
+
+- ``pp<N>``: one forward of N random prompt tokens (logits of the last position only, what
+  generation needs); tokens/s = N / time.
+- ``tg<N>``: N single-token decode steps after a 16-token prompt (greedy on our side; llama.cpp is
+  fed the same ids); tokens/s = N / total time of the N steps.
+- ``<row>@d<D>`` (e.g. ``tg32@d4096``, ``pp512@d2048``): the same after D context tokens already in
+  the KV cache (fed untimed, in chunks of 512), llama-bench's ``-d D``.
+
+``--attention-ab`` adds our model once more with the earlier prompt attention kernel (two BLAS
+GEMMs per token tile instead of the flash-style tiles; ``use_attention_prefill("gemm")``), same
+weights, alternating with the others; its ratio column is flash / gemm. ``HANZO_ATTENTION_FALLBACK=1``
+(at start) runs the torch reference attention instead, for every hanzo-torch engine.
+
+``--busy N`` starts N extra processes beside the engines for the whole run (the busy-machine
+case): ``--busy-kind spin`` (default) a Python busy loop each, ``matmul`` a one-thread float32
+512x512 matmul loop each (also loads caches and memory bandwidth). They are stopped at exit.
 
 --profile: op counts, and the share of one decode token spent outside the hanzo ops (host).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import hanzo_torch  # first: it bounds libgomp's spin before torch loads it, as the CLI does (see its __init__)
 import torch
@@ -34,63 +60,176 @@ from hanzo_torch.backends import cpu as hcpu
 DEFAULT_MODEL = os.path.expanduser("~/.cache/hanzo-torch/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 
 
+CHUNK = 512  # context tokens per forward when filling the KV cache for a depth row (untimed)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benchmark row: ``kind`` "pp" (prompt processing) or "tg" (generation) of ``n`` tokens
+    after ``depth`` tokens already in the KV cache."""
+
+    kind: str
+    n: int
+    depth: int = 0
+
+    @property
+    def name(self) -> str:  # llama-bench's test names: pp512, tg128, tg32 @ d4096
+        return f"{self.kind}{self.n}" + (f" @ d{self.depth}" if self.depth else "")
+
+    @property
+    def ctx_len(self) -> int:  # tokens before the timed ones (tg at depth 0: a 16-token prompt)
+        return self.depth if self.depth or self.kind == "pp" else 16
+
+
+def parse_rows(spec: str) -> list[Row]:
+    """``"pp512,tg32@d4096"`` -> rows. Raises ValueError naming the bad entry."""
+    rows = []
+    for item in (v.strip() for v in spec.split(",")):
+        if not item:
+            continue
+        m = re.fullmatch(r"(pp|tg)(\d+)(?:\s*@\s*d(\d+))?", item)
+        if m is None or int(m.group(2)) < 1:
+            raise ValueError(f"--rows: {item!r} is not pp<N>, tg<N>, pp<N>@d<D> or tg<N>@d<D> with N >= 1")
+        rows.append(Row(m.group(1), int(m.group(2)), int(m.group(3) or 0)))
+    if not rows:
+        raise ValueError("--rows: no rows given")
+    return rows
+
+
 class Hanzo:
     name = "hanzo-torch"
 
     def __init__(self, path: str, n_ctx: int):
+        self.version = hanzo_torch.__version__
         self.model = hanzo_torch.load(path, max_context=n_ctx)
 
-    def pp(self, ids: list[int]) -> float:
-        self.model.reset()
-        x = torch.tensor([ids])
-        t0 = time.perf_counter()
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        """Tokens/s of ``row``: ``ctx`` fed untimed, then ``ids`` (pp) or ``row.n`` decode steps (tg)."""
+        m = self.model
+        m.reset()
         with torch.inference_mode():
-            self.model(x, last_only=True)
-        return time.perf_counter() - t0
-
-    def tg(self, prompt: list[int], n: int) -> list[float]:
-        self.model.reset()
-        ts = []
-        with torch.inference_mode():
-            logits = self.model(torch.tensor([prompt]), last_only=True)
-            tok = logits[:, -1].argmax(-1, keepdim=True)
-            for _ in range(n):
+            logits = None
+            for i in range(0, len(ctx), CHUNK):
+                logits = m(torch.tensor([ctx[i:i + CHUNK]]), last_only=True)
+            if row.kind == "pp":
                 t0 = time.perf_counter()
-                logits = self.model(tok, last_only=True)
-                tok = logits[:, -1].argmax(-1, keepdim=True)
-                ts.append(time.perf_counter() - t0)
-        return ts
+                m(torch.tensor([ids]), last_only=True)
+                return row.n / (time.perf_counter() - t0)
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            t0 = time.perf_counter()
+            for _ in range(row.n):
+                tok = m(tok, last_only=True)[:, -1].argmax(-1, keepdim=True)
+            return row.n / (time.perf_counter() - t0)
+
+
+class HanzoGemmAttention:
+    """The same loaded model with the earlier prompt attention kernel (BLAS GEMM tiles) for calls of
+    T > 1 tokens: an in-process A/B of the attention kernels at model level (``--attention-ab``)."""
+
+    name = "hanzo-torch (gemm attention)"
+
+    def __init__(self, ours: Hanzo):
+        from hanzo_torch.backends.cpu import fused
+
+        self.ours, self.fused, self.version = ours, fused, ours.version
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        with self.fused.use_attention_prefill("gemm"):
+            return self.ours.measure(row, ctx, ids)
 
 
 class LlamaCpp:
-    name = "llama.cpp"
+    name = "llama.cpp (llama-cpp-python)"
 
     def __init__(self, path: str, n_ctx: int, threads: int):
         import llama_cpp
 
         self.version = getattr(llama_cpp, "__version__", "?")
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=CHUNK, n_ubatch=CHUNK, n_threads=threads,
                                    n_threads_batch=threads, verbose=False)
 
-    def pp(self, ids: list[int]) -> float:
-        self.llm.reset()
-        t0 = time.perf_counter()
-        self.llm.eval(ids)
-        return time.perf_counter() - t0
-
-    def tg(self, prompt: list[int], n: int) -> list[float]:
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
         import numpy as np
 
-        self.llm.reset()
-        self.llm.eval(prompt)
-        tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
-        ts = []
-        for _ in range(n):
+        llm = self.llm
+        llm.reset()
+        if ctx:
+            llm.eval(ctx)
+        if row.kind == "pp":
             t0 = time.perf_counter()
-            self.llm.eval([tok])
-            tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
-            ts.append(time.perf_counter() - t0)
-        return ts
+            llm.eval(ids)
+            return row.n / (time.perf_counter() - t0)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t0 = time.perf_counter()
+        for _ in range(row.n):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return row.n / (time.perf_counter() - t0)
+
+
+class LlamaBench:
+    """llama.cpp's ``llama-bench`` binary: one ``-r 1 -o json`` run per measurement (its own random
+    tokens, its own warm-up run first); the measurement is its ``avg_ts``."""
+
+    name = "llama-bench"
+
+    def __init__(self, binary: str, path: str, threads: int):
+        exe = shutil.which(binary) or binary
+        if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+            raise ValueError(f"--llama-bench: {binary!r} is not an executable file")
+        self.exe, self.path, self.threads = exe, path, threads
+        try:
+            h = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ValueError(f"--llama-bench: {exe} --help failed: {e}") from e
+        text = h.stdout + h.stderr
+        if "--n-prompt" not in text:
+            raise ValueError(f"--llama-bench: {exe} --help does not list --n-prompt; is it llama-bench?")
+        self.has_depth = "--n-depth" in text
+        self.version = "?"
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float | None:
+        if row.depth and not self.has_depth:
+            return None  # this build has no -d: the row is n/a
+        cmd = [self.exe, "-m", self.path, "-t", str(self.threads), "-r", "1", "-o", "json",
+               "-p", str(row.n if row.kind == "pp" else 0), "-n", str(row.n if row.kind == "tg" else 0)]
+        if row.depth:
+            cmd += ["-d", str(row.depth)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {r.returncode}: {r.stderr.strip()[-500:]}")
+        try:
+            recs = json.loads(r.stdout)
+        except json.JSONDecodeError as e:
+            raise RuntimeError(f"{' '.join(cmd)}: output is not JSON ({e}): {r.stdout[:200]!r}") from e
+        for rec in recs:
+            n = rec.get("n_prompt", 0) if row.kind == "pp" else rec.get("n_gen", 0)
+            if n == row.n and rec.get("n_depth", 0) == row.depth:
+                self.version = f"build {rec.get('build_number', '?')} ({rec.get('build_commit', '?')})"
+                return float(rec["avg_ts"])
+        raise RuntimeError(f"{' '.join(cmd)}: no result for {row.name} in its output")
+
+
+BUSY_CODE = {
+    "spin": "while True:\n    pass\n",
+    "matmul": "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True:\n    a @ a\n",
+}
+
+
+def start_busy(n: int, kind: str) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", BUSY_CODE[kind]], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
+
+
+def stop_busy(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def profile_decode(model) -> None:
@@ -123,11 +262,11 @@ def profile_decode(model) -> None:
 
 def glue_replay(model, steps: int = 30) -> None:
     """Host time of a decode step without the profiler: the model's own ``torch.ops.hanzo``
-    calls (models/qwen.py's ``hanzo``) are recorded for one step, then the step is replayed with
+    calls (the ``hanzo`` of models/qwen.py and models/layers.py) are recorded for one step, then the step is replayed with
     each call returning its recorded output at once, so what is timed is everything but the hanzo
     ops: Python modules, views, bias adds, the embedding, argmax-free glue. Medians of ``steps``.
     (Time inside the ops that is not kernel work, ~5-10 us of C++ dispatch per call, is not in it.)"""
-    from hanzo_torch.models import qwen
+    from hanzo_torch.models import layers, qwen
 
     real = torch.ops.hanzo
     rec, pos, mode = [], [0], ["record"]
@@ -158,7 +297,7 @@ def glue_replay(model, steps: int = 30) -> None:
     with torch.inference_mode():
         model(torch.randint(100, 20000, (1, 16)), last_only=True)
         full = statistics.median(step() for _ in range(steps))
-        saved, qwen.hanzo = qwen.hanzo, Replay()
+        saved, qwen.hanzo, layers.hanzo = qwen.hanzo, Replay(), Replay()
         try:
             step()  # record (the replayed steps reuse this position's outputs)
             mode[0] = "replay"
@@ -169,70 +308,117 @@ def glue_replay(model, steps: int = 30) -> None:
                 Replay().mul_mat()
             wrap = time.perf_counter() - t0
         finally:
-            qwen.hanzo = saved
+            qwen.hanzo = layers.hanzo = saved
     host = max(0.0, glue - wrap)
     print(f"glue replay: {len(rec)} hanzo calls per step; step {full * 1e3:.1f} ms, everything but the hanzo "
           f"ops {host * 1e3:.2f} ms = {host / full:.1%} of the step (host share)")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--pp", default="128,512")
-    ap.add_argument("--tg", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--no-llama-cpp", action="store_true", help="run only hanzo-torch")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "-m", default=DEFAULT_MODEL, help="GGUF file (both engines)")
+    ap.add_argument("--threads", "-t", type=int, default=2, help="threads of every engine")
+    ap.add_argument("--rows", default=None,
+                    help="comma-separated rows: pp<N>, tg<N>, pp<N>@d<D>, tg<N>@d<D> "
+                         "(default pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096)")
+    ap.add_argument("--pp", default=None, help="shorthand: rows pp<N> for these N (with --tg, instead of --rows)")
+    ap.add_argument("--tg", type=int, default=None, help="shorthand: row tg<N>")
+    ap.add_argument("--reps", "-r", type=int, default=3, help="rounds (one measurement per engine per row each)")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary to compare with")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python engine")
+    ap.add_argument("--busy", type=int, default=0, metavar="N", help="run N busy processes beside the engines")
+    ap.add_argument("--busy-kind", choices=sorted(BUSY_CODE), default="spin")
+    ap.add_argument("--attention-ab", action="store_true",
+                    help="also run our model with the earlier (BLAS GEMM tile) prompt attention kernel")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    if args.rows is not None and (args.pp is not None or args.tg is not None):
+        ap.error("give --rows, or the --pp/--tg shorthands, not both")
+    try:
+        if args.rows is None and (args.pp is not None or args.tg is not None):
+            spec = ",".join([f"pp{v}" for v in (args.pp or "").split(",") if v] + ([f"tg{args.tg}"] if args.tg else []))
+        else:
+            spec = args.rows or "pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096"
+        rows = parse_rows(spec)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.reps < 1 or args.threads < 1 or args.busy < 0:
+        ap.error("--reps and --threads must be >= 1, --busy >= 0")
+    if not os.path.isfile(args.model):
+        ap.error(f"--model: {args.model} is not a file")
     torch.set_num_threads(args.threads)
     hcpu.build()
-    pps = [int(v) for v in args.pp.split(",") if v]
-    n_ctx = max(pps + [16 + args.tg]) + 16
+    n_ctx = max(r.ctx_len + r.n for r in rows) + 16
     engines = [Hanzo(args.model, n_ctx)]
+    if args.attention_ab:
+        engines.append(HanzoGemmAttention(engines[0]))
     if not args.no_llama_cpp:
         try:
             engines.append(LlamaCpp(args.model, n_ctx, args.threads))
         except ImportError:
-            print("llama-cpp-python is not installed: hanzo-torch only (pip install llama-cpp-python)",
+            print("llama-cpp-python is not installed: no in-process llama.cpp (pip install llama-cpp-python)",
                   file=sys.stderr)
+    if args.llama_bench:
+        try:
+            engines.append(LlamaBench(args.llama_bench, args.model, args.threads))
+        except ValueError as e:
+            ap.error(str(e))
+        if not engines[-1].has_depth and any(r.depth for r in rows):
+            print(f"{args.llama_bench} has no -d/--n-depth: its depth rows are n/a", file=sys.stderr)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    print(f"cpu: {cpu}; threads={args.threads}; hanzo isa={hcpu.ISA_NAMES[hcpu.default_isa()]}; "
-          f"mul_mat fallback={os.environ.get('HANZO_MUL_MAT_FALLBACK', '0')}; "
-          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}; "
-          + "; ".join(f"{e.name} {getattr(e, 'version', hanzo_torch.__version__)}" for e in engines))
+    print(f"cpu: {cpu}; backend: cpu, ISA {hcpu.ISA_NAMES[hcpu.default_isa()]}; threads: {args.threads}; "
+          f"busy: {args.busy} ({args.busy_kind}); model: {os.path.basename(args.model)}")
+    print(f"env: HANZO_MUL_MAT_FALLBACK={os.environ.get('HANZO_MUL_MAT_FALLBACK', '0')} "
+          f"HANZO_ATTENTION_FALLBACK={os.environ.get('HANZO_ATTENTION_FALLBACK', '0')} "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}",
+          flush=True)
     g = torch.Generator().manual_seed(0)
     res: dict[tuple[str, str], list[float]] = {}
-    for e in engines:  # warm-up: page in the weights, build caches
-        e.pp(torch.randint(100, 20000, (32,), generator=g).tolist())
-    for r in range(args.reps):
-        for n in pps:
-            ids = torch.randint(100, 20000, (n,), generator=g).tolist()
-            for e in engines:
-                res.setdefault((f"pp{n}", e.name), []).append(n / e.pp(ids))
-        if args.tg:
-            prompt = torch.randint(100, 20000, (16,), generator=g).tolist()
-            for e in engines:
-                res.setdefault((f"tg{args.tg}", e.name), []).append(1.0 / statistics.median(e.tg(prompt, args.tg)))
-        print(f"round {r + 1}/{args.reps}: " + ", ".join(f"{k[0]} {k[1]} {v[-1]:.1f}" for k, v in res.items()),
-              flush=True)
-    tests = list(dict.fromkeys(k[0] for k in res))
-    names = [e.name for e in engines]
-    print()
-    print("| test | " + " | ".join(f"{n} tok/s (median, range)" for n in names)
-          + (" | ratio hanzo/llama.cpp |" if len(names) > 1 else " |"))
-    print("|---" * (len(names) + 1 + (len(names) > 1)) + "|")
-    for t in tests:
-        cells = []
-        for n in names:
-            v = res[(t, n)]
-            cells.append(f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})")
-        row = f"| {t} | " + " | ".join(cells)
-        if len(names) > 1:
-            row += f" | {statistics.median(res[(t, names[0])]) / statistics.median(res[(t, names[1])]):.2f}x"
-        print(row + " |")
+    busy = start_busy(args.busy, args.busy_kind)
+    try:
+        warm = Row("pp", 32)
+        for e in engines:  # page in the weights, build caches
+            if not isinstance(e, LlamaBench):
+                e.measure(warm, [], torch.randint(100, 20000, (32,), generator=g).tolist())
+        for r in range(args.reps):
+            for row in rows:
+                ctx = torch.randint(100, 20000, (row.ctx_len,), generator=g).tolist()
+                ids = torch.randint(100, 20000, (row.n if row.kind == "pp" else 0,), generator=g).tolist()
+                for e in engines:
+                    v = e.measure(row, ctx, ids)
+                    if v is not None:
+                        res.setdefault((row.name, e.name), []).append(v)
+            print(f"round {r + 1}/{args.reps}: " + ", ".join(f"{k[0]} {k[1]} {v[-1]:.1f}" for k, v in res.items()),
+                  flush=True)
+    finally:
+        stop_busy(busy)
+    print("engines: " + "; ".join(f"{e.name} {e.version}" for e in engines))
+    print_table(rows, [e.name for e in engines], res)
     if args.profile:
         profile_decode(engines[0].model)
+
+
+def print_table(rows: list[Row], names: list[str], res: dict) -> None:
+    """Medians (ranges) in tokens/s, and hanzo-torch / each other engine per row."""
+    def med(t, n):
+        v = res.get((t, n))
+        return statistics.median(v) if v else None
+
+    print()
+    head = ["test"] + [f"{n} tok/s (median, range)" for n in names] + [f"ratio vs {n}" for n in names[1:]]
+    print("| " + " | ".join(head) + " |")
+    print("|---" * len(head) + "|")
+    for row in rows:
+        cells = [row.name]
+        for n in names:
+            v = res.get((row.name, n))
+            cells.append(f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" if v else "n/a")
+        ours = med(row.name, names[0])
+        for n in names[1:]:
+            theirs = med(row.name, n)
+            cells.append(f"{ours / theirs:.2f}x" if ours and theirs else "n/a")
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

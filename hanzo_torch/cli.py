@@ -66,7 +66,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for the kernels (torch.set_num_threads; default: torch's)")
     p.add_argument("-m", "--model", metavar="PATH",
                    help="GGUF file (default: Qwen2.5-Coder-1.5B-Instruct Q4_K_M, downloaded on first use)")
-    p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, vulkan, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=_DTYPES,
                    help="activation dtype (default: float32 on cpu, bfloat16 elsewhere)")
     p.add_argument("--max-context", type=_positive_int, metavar="N", help="KV cache length in tokens")
@@ -201,6 +201,11 @@ def _device_dtype(device: str, dtype: str):
         _die(f"bad --device {device!r}: {exc}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         _die("--device cuda requested but torch sees no CUDA/ROCm device")
+    if dev.type == "vulkan":
+        from .backends import vulkan
+
+        if not vulkan.available():
+            _die(f"--device vulkan requested but the vulkan backend is unavailable: {vulkan.reason()}")
     return dev, (None if dtype == "auto" else getattr(torch, dtype))
 
 
@@ -214,6 +219,7 @@ def _load(args, max_context: Optional[int] = None):
     kv = getattr(args, "kv_dtype", "auto")
     model = load(path, device=device, dtype=dtype, max_context=args.max_context or max_context,
                  kv_dtype=None if kv == "auto" else kv)
+    backends.activate(device.type)  # a first build of the CPU kernels is loading time, not prefill time
     return model, path, time.perf_counter() - t0
 
 
@@ -277,6 +283,7 @@ def cmd_generate(args) -> int:
     tok = model.tokenizer
     if not args.quiet:
         _err(f"model {path.name} loaded in {load_s:.2f} s on {model.device}")
+    profiling = _vk_profile_start(model.device)
     if args.chat or args.system:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": prompt_text}]
@@ -299,7 +306,33 @@ def cmd_generate(args) -> int:
         st = stream.stats
         # the seed matters only when sampling (--temp 0 is greedy and reproducible without it)
         _err(st.summary() + (f" | seed {st.seed}" if args.temp > 0 else ""))
+    if profiling:
+        _vk_profile_report(1 + stream.stats.decode_steps, "token (prefill counted as one)")
     return 0
+
+
+def _vk_profile_start(device) -> bool:
+    """True (counters reset) when ``device`` is vulkan and ``HANZO_VK_PROFILE=1`` is set."""
+    if device.type != "vulkan":
+        return False
+    from .backends import vulkan
+
+    if not vulkan.profiling():
+        return False
+    vulkan.synchronize()
+    vulkan.profile()
+    return True
+
+
+def _vk_profile_report(tokens: int, what: str = "token") -> None:
+    """Print the Vulkan profile counters since the last call, per ``what`` (``tokens`` of them)."""
+    from .backends import vulkan
+
+    p = vulkan.profile()
+    n = max(1, tokens)
+    _err(f"vulkan profile per {what}: {p['dispatches'] / n:.1f} dispatches, {p['barriers'] / n:.1f} barriers, "
+         f"{p['copies'] / n:.1f} copies, {p['submits'] / n:.2f} submits; record {p['record_us'] / n:.0f} us, "
+         f"submit {p['submit_us'] / n:.0f} us, fence wait {p['fence_wait_us'] / n:.0f} us")
 
 
 def cmd_pull(args) -> int:
@@ -425,7 +458,11 @@ def cmd_inspect(args) -> int:
 def _sync(device) -> None:
     import torch
 
-    if device.type != "cpu":
+    if device.type == "vulkan":
+        from .backends import vulkan
+
+        vulkan.synchronize()
+    elif device.type != "cpu":
         torch.accelerator.synchronize(device) if hasattr(torch, "accelerator") else torch.cuda.synchronize(device)
 
 
@@ -445,8 +482,6 @@ def cmd_bench(args) -> int:
     device = model.device
     vocab = model.args.vocab_size if hasattr(model, "args") else len(model.tokenizer)
     gen = torch.Generator().manual_seed(1234)
-    accepts_last_only = "last_only" in __import__("inspect").signature(model.forward).parameters
-    kw = {"last_only": True} if accepts_last_only else {}
 
     def run_pp(n: int) -> float:
         ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
@@ -454,7 +489,7 @@ def cmd_bench(args) -> int:
         model.reset()
         _sync(device)
         t0 = time.perf_counter()
-        out = model(ids, positions=pos, **kw)
+        out = model(ids, positions=pos, last_only=True)
         float(out[0, -1, 0])  # waits for the device
         return time.perf_counter() - t0
 
@@ -467,7 +502,7 @@ def cmd_bench(args) -> int:
         with torch.inference_mode():
             for i in range(n):
                 pos.fill_(i)
-                tok = model(tok, positions=pos, **kw)[:, -1].argmax(-1, keepdim=True)  # stays on the device
+                tok = model(tok, positions=pos, last_only=True)[:, -1].argmax(-1, keepdim=True)  # stays on the device
             int(tok[0, 0])
         return time.perf_counter() - t0
 
@@ -492,7 +527,10 @@ def cmd_bench(args) -> int:
             fn = run_pp if kind == "pp" else run_tg
             for _ in range(args.warmup):
                 fn(n)
+            profiling = _vk_profile_start(device)
             rates = [n / fn(n) for _ in range(args.repetitions)]
+            if profiling:
+                _vk_profile_report(n * args.repetitions, "token" if kind == "tg" else f"prompt token ({kind}{n})")
             med = statistics.median(rates)
             sd = statistics.stdev(rates) if len(rates) > 1 else 0.0
             row = [head, _fmt_bytes(size), _fmt_count(params), str(device), dtype, f"{kind}{n}",

@@ -1,10 +1,12 @@
 """Autoregressive text generation: prefill, token-by-token decode, sampling, stop conditions.
 
-Works with any causal LM module following the hanzo-torch model interface:
-``model(input_ids int64 [B, T], positions=int64 [B, T]) -> float logits [B, T, V]`` that appends
-the tokens' keys/values to its KV cache, ``model.reset()`` to start a new sequence, and optionally
-``model.tokenizer`` (:class:`hanzo_torch.tokenizer.Tokenizer`), ``model.max_context`` (int) and a
-``last_only`` keyword on ``forward``.
+Works with any causal LM module following the hanzo-torch model interface (:class:`CausalLM`):
+``model(input_ids int64 [B, T], positions=int64 [B, T], last_only=bool) -> float logits [B, T, V]``
+(``[B, 1, V]`` with ``last_only``) that appends the tokens' keys/values to its KV cache,
+``model.reset()`` to start a new sequence, and optionally ``model.tokenizer``
+(:class:`hanzo_torch.tokenizer.Tokenizer`) and ``model.max_context`` (int).
+:class:`SequenceState` gives a model with static KV caches the host-side sequence state behind
+that interface (and ``model.generate``).
 
 The prompt is prefilled in one forward; each new token is then fed alone with its position in a
 preallocated ``[1, 1]`` device tensor (written in place). On CUDA/HIP the decode step is captured
@@ -21,7 +23,6 @@ filters see the temperature-1 distribution, so temperature only reshapes the sur
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import os
 import threading
@@ -29,11 +30,13 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
 __all__ = [
+    "CausalLM",
+    "SequenceState",
     "GenerationStats",
     "GenerationResult",
     "TextStream",
@@ -138,6 +141,116 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+# ---------------------------------------------------------------------- the model interface
+class CausalLM(Protocol):
+    """What :func:`generate` needs of a model (:class:`torch.nn.Module` subclasses qualify by
+    their ``forward``). ``tokenizer`` and ``max_context`` are optional attributes."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None, *,
+                 last_only: bool = False) -> torch.Tensor:
+        """Logits ``[B, T, V]`` (``[B, 1, V]`` with ``last_only``) of int64 ``input_ids [B, T]`` at
+        ``positions [B, T]``; their keys/values are appended to the model's KV cache."""
+
+    def reset(self) -> None:
+        """Start a new sequence."""
+
+
+class SequenceState:
+    """Host-side sequence state and generation conveniences of a model with static KV caches
+    (a mixin of :class:`hanzo_torch.models.qwen.Transformer`).
+
+    The model provides ``max_context`` (int), ``device`` and ``init_kv_cache(batch_size)``
+    (allocate its caches for ``batch_size`` sequences), and optionally ``gguf`` (the
+    :class:`~hanzo_torch.GGUFFile` its tokenizer comes from). Its forward calls
+    :meth:`next_positions` first.
+
+    Attributes:
+        cache_batch_size: batch size the KV caches are allocated for (0: none yet).
+        seq_len: tokens fed since :meth:`reset` (None when unknown: after explicit positions on
+            an accelerator, which are not read back to the host).
+    """
+
+    cache_batch_size: int = 0
+    seq_len: Optional[int] = 0
+    gguf: Any = None
+    _tokenizer: Any = None
+
+    def setup_cache(self, batch_size: int) -> None:
+        """Allocate the static KV caches for ``batch_size`` sequences (zeros) and :meth:`reset`.
+
+        The forward calls it when the batch size changes at the start of a sequence; call it
+        yourself before capturing a graph so the cache address is fixed.
+        """
+        self.init_kv_cache(batch_size)
+        self.cache_batch_size = batch_size
+        self.seq_len = 0
+
+    def reset(self) -> None:
+        """Start a new sequence (the cache is kept; slots past a query's position are masked)."""
+        self.seq_len = 0
+
+    def next_positions(self, B: int, T: int, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The positions ``[B, T]`` of the next ``T`` tokens of ``B`` sequences, on the model's
+        device, after the bookkeeping every forward needs: KV caches for ``B`` (allocated at the
+        start of a sequence), and :attr:`seq_len` advanced.
+
+        Args:
+            positions: integer ``[B, T]`` given by the caller (kept, moved to the device), or None:
+                continue after the :attr:`seq_len` tokens fed so far.
+
+        Raises:
+            ValueError: the sequence would exceed ``max_context`` (checked on the host for
+                ``positions=None`` and for CPU positions), ``positions`` not ``[B, T]``, a batch
+                size change mid-sequence, or ``positions=None`` when :attr:`seq_len` is unknown.
+        """
+        if B != self.cache_batch_size:
+            if self.seq_len != 0:
+                raise ValueError(
+                    f"batch size {B} differs from the current sequence's {self.cache_batch_size}; call reset() first"
+                )
+            self.setup_cache(B)
+        if positions is None:
+            start = self.seq_len
+            if start is None:
+                raise ValueError("the sequence position is unknown after a call with explicit positions on "
+                                 f"{self.device.type}; pass positions or call reset()")
+            if start + T > self.max_context:
+                raise ValueError(
+                    f"context overflow: {start} + {T} tokens exceed max_context={self.max_context}; "
+                    "call reset() or load with a larger max_context"
+                )
+            self.seq_len = start + T
+            return (torch.arange(T, device=self.device) + start).unsqueeze(0).expand(B, T)
+        if positions.shape != (B, T):
+            raise ValueError(f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
+        if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+            # free on the host; on an accelerator (or in a traced graph) it would sync: the ops check there
+            hi = int(positions.max()) if positions.numel() else -1
+            if hi >= self.max_context or (positions.numel() and int(positions.min()) < 0):
+                raise ValueError(f"context overflow: position {hi} is outside [0, max_context={self.max_context})")
+            self.seq_len = hi + 1
+        else:
+            self.seq_len = None
+        return positions.to(self.device)
+
+    @property
+    def tokenizer(self):
+        """The file's tokenizer (:class:`hanzo_torch.tokenizer.Tokenizer`), built and checked by
+        :func:`~hanzo_torch.load` (a file without ``tokenizer.ggml.merges`` has none: asking for
+        it raises TokenizerError naming the file; a model not loaded from a file: ValueError)."""
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+
+            if self.gguf is None:
+                raise ValueError("this model was not loaded from a GGUF file; it has no tokenizer")
+            self._tokenizer = Tokenizer.from_gguf(self.gguf)
+        return self._tokenizer
+
+    def generate(self, prompt_or_ids, max_new_tokens: int = 256, **kwargs):
+        """Sample a continuation: :func:`generate` applied to this model."""
+        return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+
 # ---------------------------------------------------------------------- samplers (pure functions)
 def apply_repetition_penalty(logits: torch.Tensor, recent_ids: Sequence[int], penalty: float) -> torch.Tensor:
     """CTRL repetition penalty (Keskar et al. 2019, as in llama.cpp and transformers).
@@ -226,13 +339,6 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _accepts_last_only(model: torch.nn.Module) -> bool:
-    try:
-        return "last_only" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _stop_holdback(text: str, stops: Sequence[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
     best = 0
@@ -275,7 +381,7 @@ class TextStream:
 Prompt = Union[str, Sequence[int], torch.Tensor, Sequence[Mapping[str, Any]]]
 
 
-def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int = 256, *,
+def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, *,
              temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K, top_p: float = DEFAULT_TOP_P,
              min_p: float = DEFAULT_MIN_P, repetition_penalty: float = 1.0,
              repeat_last_n: int = DEFAULT_REPEAT_LAST_N, seed: Optional[int] = None,
@@ -286,7 +392,7 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
     """Generate a continuation of a prompt with ``model``.
 
     Args:
-        model: a causal LM following the hanzo-torch model interface (module docstring).
+        model: a causal LM following the hanzo-torch model interface (:class:`CausalLM`).
         prompt_or_ids: text (encoded with the tokenizer, BOS added when the GGUF asks), token ids
             (list of ints or a 1-D / ``[1, T]`` integer tensor), or chat messages
             (``[{"role": ..., "content": ...}]``, rendered with the chat template;
@@ -370,7 +476,7 @@ def generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int 
     return result_box[0]
 
 
-def stream_generate(model: torch.nn.Module, prompt_or_ids: Prompt, max_new_tokens: int = 256,
+def stream_generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256,
                     **kwargs: Any) -> TextStream:
     """``generate(..., stream=True)``: an iterator of text pieces with ``.stats``/``.result``."""
     return generate(model, prompt_or_ids, max_new_tokens, stream=True, **kwargs)
@@ -469,7 +575,6 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
     if max_context is not None and len(prompt_ids) + max_new_tokens - 1 > max_context:
         budget = max_context - len(prompt_ids) + 1  # the last sampled token is never fed back
         context_bound = True
-    kwargs = {"last_only": True} if _accepts_last_only(model) else {}
     decoder = tokenizer.incremental_decoder(skip_special_tokens=skip_special) if tokenizer is not None else None
     max_stop = max((len(s) for s in stops), default=0)
 
@@ -485,16 +590,15 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
         return
 
     with torch.inference_mode():
-        if hasattr(model, "reset"):
-            model.reset()
+        model.reset()
         t0 = time.perf_counter()
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         pos = torch.arange(len(prompt_ids), dtype=torch.long, device=device).unsqueeze(0)
-        logits = model(ids, positions=pos, **kwargs)[0, -1]
+        logits = model(ids, positions=pos, last_only=True)[0, -1]
         token = sample_next(logits, params, generator, history)
         stats.prefill_s = time.perf_counter() - t0
 
-        step = DecodeStep(model, 1, device, cuda_graph, **kwargs)  # [1, 1] id/position buffers
+        step = DecodeStep(model, 1, device, cuda_graph, last_only=True)  # [1, 1] id/position buffers
         while True:
             if token in eos_ids:
                 stop_reason = "eos"

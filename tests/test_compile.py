@@ -230,8 +230,8 @@ def test_decode_guard_catches_a_baked_in_position(guard_files, monkeypatch, muta
     """Both mutations give correct eager logits; the guard must reject them all the same."""
     from hanzo_torch.models.qwen import Transformer
 
-    monkeypatch.setitem(globals(), "_ORIGINAL_POSITIONS", Transformer._positions)
-    monkeypatch.setattr(Transformer, "_positions", mutation)
+    monkeypatch.setitem(globals(), "_ORIGINAL_POSITIONS", Transformer.next_positions)
+    monkeypatch.setattr(Transformer, "next_positions", mutation)
     with pytest.raises((torch._dynamo.exc.RecompileError, torch._dynamo.exc.Unsupported,
                         torch._dynamo.exc.UserError, torch._dynamo.exc.BackendCompilerFailed,
                         AssertionError)) as info:

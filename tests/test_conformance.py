@@ -14,6 +14,11 @@ Backends:
   ``HANZO_CONFORMANCE=triton-interp`` (one format per family: the interpreter is slow; the full format
   matrix of the Triton kernels is in tests/test_triton_kernels.py).
 
+- ``vulkan``: the ops on "vulkan" tensors (arguments moved there, results brought back), on
+  whatever Vulkan device is here (lavapipe in CI); formats from the Vulkan rule table. An op
+  without a native Vulkan kernel runs its reference on the device (aten ops natively or through
+  the CPU fallback). Skipped, with the backend's reason, when it cannot run here.
+
 A new backend gets its tests by adding a :class:`Backend` to :func:`_backends`.
 """
 from __future__ import annotations
@@ -68,14 +73,38 @@ def _triton_backend() -> Backend:
     return Backend("triton-interp", run, tuple(f for f in ONE_PER_FAMILY if f in fmts))
 
 
+def _vulkan_backend() -> Backend:
+    from hanzo_torch.backends import vulkan
+
+    def to_device(a):
+        return a.to("vulkan") if isinstance(a, torch.Tensor) else a
+
+    def to_host(r):
+        if isinstance(r, (tuple, list)):
+            return type(r)(to_host(v) for v in r)
+        return r.cpu() if isinstance(r, torch.Tensor) else r
+
+    def run(op, *args):
+        dev = [to_device(a) for a in args]
+        with hanzo_torch.ops.use_reference(op, enabled=False):
+            out = getattr(torch.ops.hanzo, op)(*dev)
+        if op == "kv_cache_write":  # in place: the caller's caches get the device's result
+            args[0].copy_(dev[0].cpu())
+            args[1].copy_(dev[1].cpu())
+        return to_host(out)
+
+    return Backend("vulkan", run, tuple(vulkan.formats()))
+
+
 def _backends() -> list:
     if ONLY == "triton-interp":
         return [_triton_backend()]
-    from hanzo_torch.backends import cpu
+    from hanzo_torch.backends import cpu, vulkan
 
-    if cpu.extension() is None:
-        return []
-    return [_cpu_backend(isa) for isa in cpu.isa_levels()]
+    out = [_cpu_backend(isa) for isa in cpu.isa_levels()] if cpu.extension() is not None else []
+    if vulkan.available():
+        out.append(_vulkan_backend())
+    return out
 
 
 BACKENDS = _backends()
@@ -275,6 +304,16 @@ def test_bad_arguments_raise_the_reference_errors():
         if b.name.startswith("cpu"):  # device backends assert on the device instead (no host sync)
             with pytest.raises(IndexError):
                 b.run("get_rows", w, torch.tensor([4]), "Q4_K", torch.float32)
+
+
+@pytest.mark.skipif(bool(ONLY), reason="the child process runs the interpreter cases themselves")
+def test_vulkan_backend_runs_here():
+    """The vulkan backend takes part in this suite, or says why it cannot."""
+    from hanzo_torch.backends import vulkan
+
+    if not vulkan.available():
+        pytest.skip(f"vulkan backend unavailable: {vulkan.reason()}")
+    assert "vulkan" in _IDS
 
 
 @pytest.mark.skipif(bool(ONLY), reason="the child process runs the interpreter cases themselves")

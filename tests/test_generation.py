@@ -45,7 +45,7 @@ class ScriptedLM(nn.Module):
         self.resets += 1
         self.fed = 0
 
-    def forward(self, input_ids, positions=None):
+    def forward(self, input_ids, positions=None, *, last_only=False):
         assert input_ids.dtype == torch.long and input_ids.dim() == 2 and input_ids.shape[0] == 1
         assert positions is not None and positions.shape == input_ids.shape
         pos = positions[0].tolist()
@@ -59,7 +59,7 @@ class ScriptedLM(nn.Module):
             nxt = self.script[p + 1] if p + 1 < len(self.script) else self.end
             logits[0, j] = torch.linspace(0, 1, V)  # a deterministic background
             logits[0, j, nxt] = 10.0
-        return logits
+        return logits[:, -1:] if last_only else logits
 
 
 class FixedLM(nn.Module):

@@ -119,9 +119,9 @@ CASES = [
     dict(B=2, T=1, Hq=12, Hk=2, D=128, S=700, positions=[[698], [40]]),
     # decode, GQA 2, last slot of the cache
     dict(B=1, T=1, Hq=4, Hk=2, D=64, S=300, positions=[[299]]),
-    # decode, GQA 1 (MHA), a few tokens at once
+    # GQA 1 (MHA), a few tokens at once (the flash tiles: T > 1)
     dict(B=1, T=3, Hq=2, Hk=2, D=32, S=64, positions=[[60, 61, 63]]),
-    # prefill tiles: T >= 8, GQA 6, continuing at position 20 up to the cache end
+    # prefill tiles, GQA 6, continuing at position 20 up to the cache end
     dict(B=1, T=12, Hq=6, Hk=1, D=64, S=32, positions=[list(range(20, 32))]),
 ]
 

@@ -37,6 +37,8 @@ import torch
 
 import hanzo_torch
 from hanzo_torch import GGUFError, GGUFTensor
+from hanzo_torch.models.layers import Embedding, Experts, Linear, PackedEmbedding, PackedExperts, PackedLinear
+from hanzo_torch.models.qwen import Transformer
 from tests.gguf_builders import tiny_spec, tokenizer_metadata, write_tiny_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -266,6 +268,39 @@ def test_context_overflow_raises(zoo):
         model.reset()
         assert model(torch.arange(8)[None]).shape == (1, 8, 151936)  # exactly full is fine
     assert hanzo_torch.load(dense).max_context == 2048  # min(context_length, 4096)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dense_layers_match_packed_layers(zoo, arch, references):
+    """A model built by hand from the dense layers, holding the float32 expansion of the packed
+    file's weights, computes what load()'s packed layers compute on the float32 references
+    (within DENSE_RTOL: the same products, summed in another order). A wrong expert gather,
+    gate/up swap or transposed weight in a dense twin is O(1)."""
+    model = zoo.model(arch, "packed")
+    dense = Transformer(model.args, MAX_CONTEXT)
+    state = {n: p.dequantize(torch.float32) if isinstance(p, GGUFTensor) else p for n, p in model.state_dict().items()}
+    dense.load_state_dict(state)
+    dense.kv_dtype = "f32"
+    assert type(dense.blk[0].attn_q) is Linear and not any(isinstance(p, GGUFTensor) for p in dense.parameters())
+    ids = torch.randint(0, 151643, (1, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = torch.cat([model(ids[:, :9]), model(ids[:, 9:])], dim=1)
+        got = torch.cat([dense(ids[:, :9]), dense(ids[:, 9:])], dim=1)
+    assert rel_err(got, want) < DENSE_RTOL
+
+
+def test_load_swaps_in_packed_layers_and_builds_nothing(zoo, monkeypatch):
+    """Every projection, embedding and expert layer of a loaded model is its packed twin; load()
+    activates no backend (the first op does)."""
+    activated = []
+    monkeypatch.setattr(hanzo_torch.backends, "activate", lambda device_type: activated.append(device_type))
+    for arch in ("qwen3moe", "qwen2"):
+        model = hanzo_torch.load(zoo.files(arch)[0])
+        kinds = {type(m) for m in model.modules()} & {Linear, Embedding, Experts, PackedLinear, PackedEmbedding,
+                                                      PackedExperts}
+        assert kinds == ({PackedLinear, PackedEmbedding, PackedExperts} if arch == "qwen3moe"
+                         else {PackedLinear, PackedEmbedding}), kinds
+    assert activated == []
 
 
 def test_weights_stay_packed(zoo):

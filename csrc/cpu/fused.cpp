@@ -3,9 +3,11 @@
 // float32 (f16/bf16 inputs are converted per element, results rounded once to the input dtype),
 // with the same maths as the references in hanzo_torch/ops/fused.py. The KV cache may be float32,
 // float16, bfloat16 or q8_0 blocks whatever the activation dtype (see "KV cache element formats").
-// Decode-sized attention reads each KV head's rows once for all its query heads (split over key
-// chunks); prompt-sized attention (T >= kAttnTileMinT) runs its two contractions as ATen/BLAS
-// float32 GEMMs over token tiles, on a float32 copy of the live cache prefix.
+// Attention of one query token (decode) reads each KV head's rows once for all its query heads
+// (split over key chunks); of T > 1 tokens, flash-style tiles (attention_flash): query tiles x key
+// tiles with an online softmax, each key tile read from the cache once for a tile of tokens and all
+// the query heads of its group. The earlier prompt kernel (two ATen/BLAS GEMMs per token tile on a
+// float32 copy of the live prefix) stays selectable in process (set_attention_prefill) for A/B.
 //
 // Registered with the torch dispatcher as the namespace ``hanzo_cpu`` (so this file needs no hook in
 // the pybind module of ops.cpp); hanzo_torch/backends/cpu/fused.py calls them after the op wrappers in
@@ -436,6 +438,202 @@ DecodeLoops decode_loops() {
     return {scores_generic, pv_generic, exp_sum_generic};
 }
 
+// ---------------------------------------------------------------------------------------------
+// Loops of the prefill (flash) attention. Scores: S[r][j] = Q[r] . K[j] for R query rows and nk
+// key rows (both D floats, row strides D and ldk). P*V: C[R x N] (+)= A[R x K] B[K x N] with row
+// strides lda, ldb, ldc (A = probabilities, B = value rows, C = accumulators). scale_max:
+// s[j] *= sc for j < n, returning the maximum.
+// ---------------------------------------------------------------------------------------------
+struct FlashLoops {
+    void (*scores)(const float* Q, int64_t R, int64_t D, const float* K, int64_t ldk, int64_t nk, float* S,
+                   int64_t lds);
+    void (*gemm)(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t R,
+                 int64_t N, int64_t K, bool accumulate);
+    float (*scale_max)(float* s, int64_t n, float sc);
+    float (*exp_sum)(float* s, int64_t n, float m);
+};
+
+void qk_generic(const float* Q, int64_t R, int64_t D, const float* K, int64_t ldk, int64_t nk, float* S,
+                int64_t lds) {
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < nk; ++j) S[r * lds + j] = dot_f32(Q + r * D, K + j * ldk, D);
+}
+
+float scale_max_generic(float* s, int64_t n, float sc) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+        s[j] *= sc;
+        mx = std::max(mx, s[j]);
+    }
+    return mx;
+}
+
+void gemm_generic(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t R,
+                  int64_t N, int64_t K, bool accumulate) {
+    for (int64_t r = 0; r < R; ++r) {
+        float* c = C + r * ldc;
+        if (!accumulate) std::fill(c, c + N, 0.0f);
+        for (int64_t k = 0; k < K; ++k) {
+            const float a = A[r * lda + k];
+            const float* b = B + k * ldb;
+            for (int64_t n = 0; n < N; ++n) c[n] += a * b[n];
+        }
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// Register tile of MR rows x 8*NV columns: MR*NV accumulators (at most 12 of the 16 ymm
+// registers), NV loads of B and MR broadcasts of A per step of k.
+template <int MR, int NV>
+__attribute__((target("avx2,fma"))) inline void gemm_tile_avx2(const float* A, int64_t lda, const float* B,
+                                                              int64_t ldb, float* C, int64_t ldc, int64_t K,
+                                                              bool accumulate) {
+    __m256 c[MR][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) c[r][v] = accumulate ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        const float* b = B + k * ldb;
+        __m256 bv[NV];
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(b + 8 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+            const __m256 a = _mm256_broadcast_ss(A + r * lda + k);
+#pragma GCC unroll 2
+            for (int v = 0; v < NV; ++v) c[r][v] = _mm256_fmadd_ps(a, bv[v], c[r][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + r * ldc + 8 * v, c[r][v]);
+}
+
+template <int NV>
+__attribute__((target("avx2,fma"))) void gemm_rows_avx2(const float* A, int64_t lda, const float* B, int64_t ldb,
+                                                       float* C, int64_t ldc, int64_t R, int64_t K, bool accumulate) {
+    int64_t r = 0;
+    for (; r + 6 <= R; r += 6) gemm_tile_avx2<6, NV>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, K, accumulate);
+    const float* a = A + r * lda;
+    float* c = C + r * ldc;
+    switch (R - r) {
+        case 5: gemm_tile_avx2<5, NV>(a, lda, B, ldb, c, ldc, K, accumulate); break;
+        case 4: gemm_tile_avx2<4, NV>(a, lda, B, ldb, c, ldc, K, accumulate); break;
+        case 3: gemm_tile_avx2<3, NV>(a, lda, B, ldb, c, ldc, K, accumulate); break;
+        case 2: gemm_tile_avx2<2, NV>(a, lda, B, ldb, c, ldc, K, accumulate); break;
+        case 1: gemm_tile_avx2<1, NV>(a, lda, B, ldb, c, ldc, K, accumulate); break;
+        default: break;
+    }
+}
+
+// Scores as dot products over D: a register tile of MR query rows x NR keys (8 accumulators
+// at most: MR + NR loads per MR * NR FMAs), each accumulator reduced across its 8 lanes at the
+// end; four keys' sums are reduced together by two rounds of hadd into one 4-float store.
+template <int MR, int NR>
+__attribute__((target("avx2,fma"))) inline void qk_tile_avx2(const float* Q, int64_t D, const float* K, int64_t ldk,
+                                                            float* S, int64_t lds) {
+    __m256 c[MR][NR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) c[r][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 kv[NR];
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) kv[j] = _mm256_loadu_ps(K + j * ldk + d);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+            const __m256 qv = _mm256_loadu_ps(Q + r * D + d);
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) c[r][j] = _mm256_fmadd_ps(qv, kv[j], c[r][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+        if constexpr (NR == 4) {
+            // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]: twice gives
+            // [sum0..3 of keys 0..3 | sum4..7 of keys 0..3], then the halves are added
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(c[r][0], c[r][1]), _mm256_hadd_ps(c[r][2], c[r][3]));
+            _mm_storeu_ps(S + r * lds, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        } else {
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) S[r * lds + j] = hsum8(c[r][j]);
+        }
+    }
+}
+
+template <int MR>
+__attribute__((target("avx2,fma"))) void qk_rows_avx2(const float* Q, int64_t D, const float* K, int64_t ldk,
+                                                     int64_t nk, float* S, int64_t lds) {
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) qk_tile_avx2<MR, 4>(Q, D, K + j * ldk, ldk, S + j, lds);
+    switch (nk - j) {
+        case 3: qk_tile_avx2<MR, 3>(Q, D, K + j * ldk, ldk, S + j, lds); break;
+        case 2: qk_tile_avx2<MR, 2>(Q, D, K + j * ldk, ldk, S + j, lds); break;
+        case 1: qk_tile_avx2<MR, 1>(Q, D, K + j * ldk, ldk, S + j, lds); break;
+        default: break;
+    }
+}
+
+__attribute__((target("avx2,fma"))) void qk_avx2(const float* Q, int64_t R, int64_t D, const float* K, int64_t ldk,
+                                                int64_t nk, float* S, int64_t lds) {
+    if (D % 8) return qk_generic(Q, R, D, K, ldk, nk, S, lds);
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2) qk_rows_avx2<2>(Q + r * D, D, K, ldk, nk, S + r * lds, lds);
+    if (r < R) qk_rows_avx2<1>(Q + r * D, D, K, ldk, nk, S + r * lds, lds);
+}
+
+__attribute__((target("avx2,fma"))) float scale_max_avx2(float* s, int64_t n, float sc) {
+    const __m256 scv = _mm256_set1_ps(sc);
+    __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), scv);
+        _mm256_storeu_ps(s + j, v);
+        mv = _mm256_max_ps(v, mv);  // a NaN score is passed over (the second operand is kept)
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mv);
+    float mx = lanes[0];
+    for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+    for (; j < n; ++j) {
+        s[j] *= sc;
+        mx = std::max(mx, s[j]);
+    }
+    return mx;
+}
+
+// Column blocks of 16, then 8, then the last N % 8 columns by the portable loop.
+__attribute__((target("avx2,fma"))) void gemm_avx2(const float* A, int64_t lda, const float* B, int64_t ldb,
+                                                  float* C, int64_t ldc, int64_t R, int64_t N, int64_t K,
+                                                  bool accumulate) {
+    int64_t n = 0;
+    for (; n + 16 <= N; n += 16) gemm_rows_avx2<2>(A, lda, B + n, ldb, C + n, ldc, R, K, accumulate);
+    if (n + 8 <= N) {
+        gemm_rows_avx2<1>(A, lda, B + n, ldb, C + n, ldc, R, K, accumulate);
+        n += 8;
+    }
+    if (n < N) gemm_generic(A, lda, B + n, ldb, C + n, ldc, R, N - n, K, accumulate);
+}
+#else
+void gemm_avx2(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t R,
+               int64_t N, int64_t K, bool accumulate) {
+    gemm_generic(A, lda, B, ldb, C, ldc, R, N, K, accumulate);
+}
+void qk_avx2(const float* Q, int64_t R, int64_t D, const float* K, int64_t ldk, int64_t nk, float* S, int64_t lds) {
+    qk_generic(Q, R, D, K, ldk, nk, S, lds);
+}
+float scale_max_avx2(float* s, int64_t n, float sc) { return scale_max_generic(s, n, sc); }
+#endif
+
+FlashLoops flash_loops() {
+    if (has_avx2_fma() && hz_active_isa.load(std::memory_order_relaxed) >= 1)
+        return {qk_avx2, gemm_avx2, scale_max_avx2, exp_sum_avx2};
+    return {qk_generic, gemm_generic, scale_max_generic, exp_sum_generic};
+}
+
 // One cache row (D values at src) -> float32 dst[D].
 inline void kv_load_row(KvKind kind, const uint8_t* src, int64_t D, float* dst) {
     switch (kind) {
@@ -733,6 +931,191 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
 }
 
 
+// Prefill-sized calls, flash style. A query tile is (b, kv head, Tq tokens): its R = Tq*G query
+// rows, ordered token-major (row t*G + g is query head hk*G + g of token t0 + t), meet the keys
+// 0..kmax-1 (kmax = the tile's largest position + 1) in key tiles of kFlashKeys. Each key tile is
+// read from the cache once for all R rows (float32 rows in place, others converted to float32
+// once), scored by register-tiled dot products, then per row the online softmax:
+//   s = (q . k) * scale for the keys 0..position of that row, m' = max(m, max s),
+//   p = exp(s - m'), l = l e^(m - m') + sum p, acc = acc e^(m - m') + p V
+// (running max m, sum l and accumulator acc in float32; p V by a register-tiled GEMM over the
+// tile's rows), out = acc / l. A row that sees no key
+// of a tile, or whose maximum is still -inf, takes nothing from it (no -inf - -inf).
+// Work per query tile is O(R * kmax * D): no score row longer than one key tile exists. When
+// there are fewer query tiles than twice the threads (short prompts on a long context), a tile's
+// key range is split into units of at least kFlashSplitKeys keys, merged afterwards by their
+// maxima and sums as the decode kernel's chunks are.
+constexpr int64_t kFlashKeys = 64;         // keys per key tile
+constexpr int64_t kFlashRows = 48;         // query rows (tokens x group heads) per query tile, target
+constexpr int64_t kFlashSplitKeys = 512;   // least keys per unit of a split key range
+
+void attention_flash(const float* qp, const uint8_t* kp, const uint8_t* vp, float* op, const int64_t* pp, int64_t B,
+                     int64_t T, int64_t Hq, int64_t Hk, int64_t D, int64_t S, KvKind kind, float sc) {
+    const int64_t G = Hq / Hk, rb = kv_row_bytes(kind, D), key_stride = Hk * rb, batch_stride = S * Hk * rb;
+    const int64_t Bk = kFlashKeys;
+    const int64_t Tq = std::max<int64_t>(1, std::min<int64_t>(T, (kFlashRows + G - 1) / G));
+    const int64_t Rmax = G * Tq;
+    struct Tile { int64_t b, hk, t0, t1, kmax; };
+    struct Unit { int64_t tile, j0, j1, part; };  // part: index of its partial result, -1 if none
+    std::vector<Tile> tiles;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t0 = 0; t0 < T; t0 += Tq) {
+            const int64_t t1 = std::min(T, t0 + Tq);
+            int64_t kmax = 0;
+            for (int64_t t = t0; t < t1; ++t) kmax = std::max(kmax, pp[b * T + t] + 1);
+            for (int64_t hk = 0; hk < Hk; ++hk) tiles.push_back({b, hk, t0, t1, kmax});
+        }
+    const int64_t nt = static_cast<int64_t>(tiles.size());
+    const int64_t threads = at::get_num_threads();
+    const int64_t want = threads > 1 && nt < 2 * threads ? (2 * threads + nt - 1) / nt : 1;
+    std::vector<Unit> units;
+    std::vector<int64_t> first(static_cast<size_t>(nt + 1));
+    int64_t n_parts = 0, flops = 0;
+    for (int64_t i = 0; i < nt; ++i) {
+        const Tile& tl = tiles[static_cast<size_t>(i)];
+        const int64_t n = tl.kmax;
+        const int64_t split = std::max<int64_t>(1, std::min(want, n / kFlashSplitKeys));
+        const int64_t len = ((n + split - 1) / split + Bk - 1) / Bk * Bk;
+        first[i] = static_cast<int64_t>(units.size());
+        for (int64_t j0 = 0; j0 < n; j0 += len) units.push_back({i, j0, std::min(n, j0 + len), -1});
+        if (static_cast<int64_t>(units.size()) - first[i] > 1)
+            for (int64_t u = first[i]; u < static_cast<int64_t>(units.size()); ++u) units[u].part = n_parts++;
+        flops += 4 * G * (tl.t1 - tl.t0) * n * D;
+    }
+    first[nt] = static_cast<int64_t>(units.size());
+    const int64_t nu = first[nt];
+    const int64_t part_stride = Rmax * (D + 2);  // per unit: m[R], l[R], acc[R][D]
+    std::vector<float> part(static_cast<size_t>(n_parts * part_stride));
+    // Largest first, handed out one at a time: causal tiles differ in cost by up to T/Tq times.
+    std::vector<int64_t> order(static_cast<size_t>(nu));
+    for (int64_t u = 0; u < nu; ++u) order[u] = u;
+    auto cost = [&](int64_t u) {
+        const Unit& x = units[static_cast<size_t>(u)];
+        const Tile& tl = tiles[static_cast<size_t>(x.tile)];
+        return (x.j1 - x.j0) * (tl.t1 - tl.t0);
+    };
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost(x) > cost(y); });
+
+    const FlashLoops loops = flash_loops();
+    const bool direct = kind == KvKind::F32;  // float32 key and value rows are read in place
+    const float ninf = -std::numeric_limits<float>::infinity();
+    std::atomic<int64_t> next{0};
+    auto worker = [&]() {
+        // per thread: queries, keys, values (as float32), scores/probabilities, m, l, acc
+        std::vector<float> qb(static_cast<size_t>(Rmax * D)), kb(static_cast<size_t>(Bk * D)),
+            vb(static_cast<size_t>(Bk * D)), sb(static_cast<size_t>(Rmax * Bk)), ml(static_cast<size_t>(2 * Rmax)),
+            acc(static_cast<size_t>(Rmax * D));
+        for (int64_t i = next++; i < nu; i = next++) {
+            const Unit& un = units[static_cast<size_t>(order[static_cast<size_t>(i)])];
+            const Tile& tl = tiles[static_cast<size_t>(un.tile)];
+            const int64_t b = tl.b, hk = tl.hk, t0 = tl.t0, tq = tl.t1 - tl.t0, R = G * tq;
+            const int64_t* pt = pp + b * T + t0;
+            for (int64_t t = 0; t < tq; ++t)  // the group's G heads of one token are contiguous
+                std::memcpy(qb.data() + t * G * D, qp + ((b * T + t0 + t) * Hq + hk * G) * D,
+                            static_cast<size_t>(G * D) * sizeof(float));
+            float* m = ml.data();
+            float* l = m + Rmax;
+            std::fill(m, m + R, ninf);
+            std::fill(l, l + R, 0.0f);
+            std::fill(acc.begin(), acc.begin() + R * D, 0.0f);
+            const uint8_t* kbase = kp + b * batch_stride + hk * rb;
+            const uint8_t* vbase = vp + b * batch_stride + hk * rb;
+            for (int64_t j0 = un.j0; j0 < un.j1; j0 += Bk) {
+                const int64_t nk = std::min(Bk, un.j1 - j0);
+                auto vis = [&](int64_t t) { return std::min(nk, std::max<int64_t>(0, pt[t] + 1 - j0)); };
+                int64_t tlo = 0, thi = tq;
+                while (tlo < tq && vis(tlo) == 0) ++tlo;
+                while (thi > tlo && vis(thi - 1) == 0) --thi;
+                if (tlo == thi) continue;  // no row of the tile sees these keys
+                const float* kt = reinterpret_cast<const float*>(kbase + j0 * key_stride);
+                int64_t ldk = Hk * D;
+                if (!direct) {
+                    for (int64_t j = 0; j < nk; ++j) kv_load_row(kind, kbase + (j0 + j) * key_stride, D, kb.data() + j * D);
+                    kt = kb.data();
+                    ldk = D;
+                }
+                const int64_t rlo = tlo * G, rhi = thi * G;
+                float* s = sb.data();
+                loops.scores(qb.data() + rlo * D, rhi - rlo, D, kt, ldk, nk, s + rlo * Bk, Bk);
+                for (int64_t t = tlo; t < thi; ++t) {
+                    const int64_t nv = vis(t);
+                    for (int64_t r = t * G; r < (t + 1) * G; ++r) {
+                        float* sr = s + r * Bk;
+                        const float mx = loops.scale_max(sr, nv, sc);
+                        const float mn = std::max(m[r], mx);
+                        if (nv == 0 || mn == ninf) {  // nothing (finite) to add from this tile
+                            std::fill(sr, sr + nk, 0.0f);
+                            continue;
+                        }
+                        const float corr = m[r] == ninf ? 0.0f : std::exp(m[r] - mn);
+                        const float ls = loops.exp_sum(sr, nv, mn);
+                        std::fill(sr + nv, sr + nk, 0.0f);
+                        l[r] = l[r] * corr + ls;
+                        if (corr != 1.0f) {
+                            float* a = acc.data() + r * D;
+                            for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+                        }
+                        m[r] = mn;
+                    }
+                }
+                const float* vt = reinterpret_cast<const float*>(vbase + j0 * key_stride);
+                int64_t ldv = Hk * D;
+                if (!direct) {
+                    for (int64_t j = 0; j < nk; ++j) kv_load_row(kind, vbase + (j0 + j) * key_stride, D, vb.data() + j * D);
+                    vt = vb.data();
+                    ldv = D;
+                }
+                loops.gemm(s + rlo * Bk, Bk, vt, ldv, acc.data() + rlo * D, D, rhi - rlo, D, nk, true);
+            }
+            if (un.part < 0) {
+                for (int64_t r = 0; r < R; ++r) {
+                    const int64_t t = r / G, g = r % G;
+                    float* o = op + ((b * T + t0 + t) * Hq + hk * G + g) * D;
+                    const float inv = 1.0f / l[r];
+                    const float* a = acc.data() + r * D;
+                    for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+                }
+            } else {
+                float* pu = part.data() + un.part * part_stride;
+                std::copy(m, m + R, pu);
+                std::copy(l, l + R, pu + Rmax);
+                std::copy(acc.begin(), acc.begin() + R * D, pu + 2 * Rmax);
+            }
+        }
+    };
+    // below ~4 MFLOP (~0.1 ms) waking the pool costs more than it saves
+    const int64_t nthreads = flops < (int64_t(1) << 22) ? 1 : std::min<int64_t>(threads, nu);
+    if (nthreads <= 1)
+        worker();
+    else
+        at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) { worker(); });
+    // merge the units of split tiles: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
+    for (int64_t i = 0; i < nt; ++i) {
+        const int64_t c0 = first[i], c1 = first[i + 1];
+        if (c1 - c0 < 2) continue;
+        const Tile& tl = tiles[static_cast<size_t>(i)];
+        const int64_t tq = tl.t1 - tl.t0;
+        for (int64_t r = 0; r < G * tq; ++r) {
+            const int64_t t = r / G, g = r % G;
+            float M = ninf;
+            for (int64_t c = c0; c < c1; ++c) M = std::max(M, part[units[c].part * part_stride + r]);
+            float L = 0.0f;
+            float* o = op + ((tl.b * T + tl.t0 + t) * Hq + tl.hk * G + g) * D;
+            std::fill(o, o + D, 0.0f);
+            for (int64_t c = c0; c < c1; ++c) {
+                const float* pc = part.data() + units[c].part * part_stride;
+                if (pc[r] == ninf) continue;  // this unit saw no key of the row
+                const float w = std::exp(pc[r] - M);
+                L += w * pc[Rmax + r];
+                const float* a = pc + 2 * Rmax + r * D;
+                for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+            }
+            const float inv = 1.0f / L;
+            for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        }
+    }
+}
+
 // The live prefix [B, live, Hk, *] of a cache as float32 [B, live, Hk, D], contiguous (a copy
 // unless the cache is float32 and the prefix contiguous).
 at::Tensor kv_prefix_f32(const at::Tensor& cache, KvKind kind, int64_t live, int64_t D) {
@@ -747,6 +1130,18 @@ at::Tensor kv_prefix_f32(const at::Tensor& cache, KvKind kind, int64_t live, int
         for (int64_t r = r0; r < r1; ++r) kv_load_row(kind, sp + r * rb, D, dp + r * D);
     });
     return out;
+}
+
+// Which kernel runs attention calls of T > 1 query tokens: kPrefillFlash (attention_flash), or
+// kPrefillGemm, the ATen GEMM tiles (attention_tiles) from kAttnTileMinT tokens and the decode
+// kernel below that. Both stay built so that one process can compare them (set_attention_prefill).
+constexpr int64_t kPrefillFlash = 0, kPrefillGemm = 1;
+std::atomic<int64_t> g_attn_prefill{kPrefillFlash};
+
+int64_t set_attention_prefill(int64_t path) {
+    TORCH_CHECK(path == kPrefillFlash || path == kPrefillGemm, "hanzo_cpu.set_attention_prefill: path ", path,
+                " is not 0 (flash) or 1 (gemm)");
+    return g_attn_prefill.exchange(path);
 }
 
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::Tensor& vc_in,
@@ -776,15 +1171,22 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::
     const at::Tensor q = q_in.to(at::kFloat).contiguous();
     at::Tensor out = at::empty({B, T, Hq, D}, q.options());
     if (B * T * Hq > 0 && D > 0) {
-        if (T >= kAttnTileMinT) {
+        const bool flash = g_attn_prefill.load(std::memory_order_relaxed) == kPrefillFlash;
+        if (!flash && T >= kAttnTileMinT) {
             const at::Tensor kc = kv_prefix_f32(kc_in, kind, live, D), vc = kv_prefix_f32(vc_in, kind, live, D);
             attention_tiles(q, kc, vc, out, pp, scale);
         } else {
-            // read in place (and converted row by row) at the cache's own strides: no copy of the prefix
+            // read in place (and converted row by row or tile by tile) at the cache's own strides:
+            // no copy of the prefix
             const at::Tensor kc = kc_in.contiguous(), vc = vc_in.contiguous();
-            attention_decode(q.data_ptr<float>(), static_cast<const uint8_t*>(kc.data_ptr()),
-                             static_cast<const uint8_t*>(vc.data_ptr()), out.data_ptr<float>(), pp, B, T, Hq, Hk, D,
-                             S, kind, static_cast<float>(scale));
+            const auto* kp = static_cast<const uint8_t*>(kc.data_ptr());
+            const auto* vp = static_cast<const uint8_t*>(vc.data_ptr());
+            if (flash && T > 1)
+                attention_flash(q.data_ptr<float>(), kp, vp, out.data_ptr<float>(), pp, B, T, Hq, Hk, D, S, kind,
+                                static_cast<float>(scale));
+            else
+                attention_decode(q.data_ptr<float>(), kp, vp, out.data_ptr<float>(), pp, B, T, Hq, Hk, D, S, kind,
+                                 static_cast<float>(scale));
         }
     }
     return qt == at::kFloat ? out : out.to(qt);
@@ -840,5 +1242,6 @@ TORCH_LIBRARY(hanzo_cpu, m) {
     m.def("kv_cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions) -> ()",
           &kv_cache_write);
     m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale) -> Tensor", &attention);
+    m.def("set_attention_prefill(int path) -> int", &set_attention_prefill);
     m.def("moe_route(Tensor probs, int k, bool normalize) -> (Tensor, Tensor)", &moe_route);
 }

@@ -15,6 +15,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -175,9 +176,11 @@ bool elementwise(ElemOp op, const at::Tensor& out, const at::Tensor* a, const at
   if (b) st.push_back(b->strides());
   Layout L = coalesce(out.sizes(), st);
   if (L.size.size() > static_cast<size_t>(kMaxDims)) return false;
-  for (auto& s : L.strides)
-    for (int64_t v : s)
-      if (v > INT32_MAX || v < INT32_MIN) return false;
+  for (auto& s : L.strides) {
+    int64_t reach = 0;  // the largest element offset from element 0, which the shader keeps in 32 bits
+    for (size_t d = 0; d < s.size(); ++d) reach += (L.size[d] - 1) * std::abs(s[d]);
+    if (reach > INT32_MAX) return false;
+  }
   ElemPush p{};
   p.out = address(out);
   p.a = a ? address(*a) : 0;
@@ -197,9 +200,15 @@ bool elementwise(ElemOp op, const at::Tensor& out, const at::Tensor* a, const at
   }
   uint32_t gx = 0, gy = 0;
   groups_1d(static_cast<uint64_t>(n), 256, gx, gy);
-  static Pipeline* pipe = nullptr;
-  if (pipe == nullptr) pipe = &pipeline("elementwise");
-  dispatch(*pipe, &p, sizeof(p), gx, gy);
+  // one dtype for every operand: the variant compiled for it (codes 0 f32, 1 f16, 2 bf16, 3 i64,
+  // 4 i32, 8 i16 of common.glsl)
+  static const char* kVariants[9] = {"f32", "f16", "bf16", "i64", "i32", nullptr, nullptr, nullptr, "i16"};
+  static Pipeline* pipes[10] = {};
+  int v = 9;  // "any"
+  if (op != kFill && co == ca && (b == nullptr || cb == co) && kVariants[co] != nullptr) v = co;
+  if (pipes[v] == nullptr)
+    pipes[v] = &pipeline(std::string("elementwise.") + (v == 9 ? "any" : kVariants[v]));
+  dispatch(*pipes[v], &p, sizeof(p), gx, gy);
   return true;
 }
 
@@ -679,10 +688,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("flush", &hz::vk::flush);
   m.def("profiling", &hz::vk::profiling);
+  m.def("set_profiling", &hz::vk::set_profiling);
   m.def("profile", &hz::vk::profile_dict, "counters since the last call, reset");
   m.def("memory_stats", &hz::vk::memory_dict);
   m.def("empty_cache", &hz::vk::empty_cache);
   m.def("fallback_ops", &hz::vk::fallback_ops, "aten ops that ran through the CPU fallback so far");
   m.def("native_ops", &hz::vk::native_ops, "hanzo ops with a kernel on the vulkan device");
   m.def("address", [](const at::Tensor& t) { return hz::vk::address(t); });
+  m.def("dispatch", [](const std::string& name, const py::bytes& push, uint32_t gx, uint32_t gy, uint32_t gz) {
+    std::string p = push;
+    hz::vk::dispatch(hz::vk::pipeline(name), p.data(), static_cast<uint32_t>(p.size()), gx, gy, gz);
+  }, py::arg("name"), py::arg("push"), py::arg("gx"), py::arg("gy") = 1, py::arg("gz") = 1,
+     "record one dispatch of <spv_dir>/<name>.spv (push: the push-constant bytes, e.g. from struct.pack)");
 }

@@ -1023,6 +1023,13 @@ void empty_cache() {
 
 bool profiling() { return S().profile; }
 
+void set_profiling(bool on) {
+  State& s = S();
+  std::lock_guard<std::recursive_mutex> g(s.mu);
+  s.profile = on;
+  s.prof = Profile();
+}
+
 Profile take_profile() {
   State& s = S();
   std::lock_guard<std::recursive_mutex> g(s.mu);

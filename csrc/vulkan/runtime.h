@@ -126,6 +126,8 @@ struct Profile {
   double wait_us = 0;     // time waiting on fences
 };
 bool profiling();
+// Turn the counters on or off (HANZO_VK_PROFILE sets the initial state); resets them.
+void set_profiling(bool on);
 // The counters since the last call (or init), and reset them.
 Profile take_profile();
 

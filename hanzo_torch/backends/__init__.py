@@ -37,6 +37,10 @@ NAMES = ("reference", "cpu", "triton", "vulkan")
 _lock = threading.RLock()
 _registered: dict[str, frozenset] = {}
 
+from . import vulkan as _vulkan  # noqa: E402  (cheap) torch.device("vulkan") names this package's device
+
+_vulkan.claim_device()
+
 
 @dataclass
 class BackendStatus:

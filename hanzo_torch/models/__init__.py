@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from .config import ARCHITECTURES, ModelArgs, check_max_context, load_tokenizer
+from .layers import packed_twin
 from .qwen import Block, Transformer
 
 __all__ = ["load", "ModelArgs", "Transformer", "Block", "ARCHITECTURES"]
@@ -27,12 +28,17 @@ def load(
     configured from the file's metadata only, after every hyper-parameter, tensor shape and the
     tokenizer metadata have been validated against each other (:mod:`hanzo_torch.models.config`):
     a malformed or hostile file raises :class:`GGUFError` before anything is allocated. The
-    module is built on the meta device and the file's tensors are assigned to it: projection
-    and embedding weights stay :class:`~hanzo_torch.GGUFTensor` views of the memory-mapped file
-    (on CPU nothing is copied;
-    the OS is asked to read the file into the page cache in the background,
-    :meth:`~hanzo_torch.gguf_file.GGUFFile.prefetch`), 1-D norm weights and biases are
-    dequantized to ``dtype``. No full-precision copy of a matrix is ever made.
+    module is built on the meta device, its projection, embedding and expert layers are swapped
+    for their packed twins (:mod:`hanzo_torch.models.layers`), and the file's tensors are
+    assigned to it: those weights stay :class:`~hanzo_torch.GGUFTensor` views of the
+    memory-mapped file (on CPU nothing is copied; the OS is asked to read the file into the page
+    cache in the background, :meth:`~hanzo_torch.gguf_file.GGUFFile.prefetch`), 1-D norm weights
+    and biases are dequantized to ``dtype``. No full-precision copy of a matrix is ever made.
+
+    Nothing is compiled here: the first op call on a device type activates the kernels serving
+    it, so on a fresh install the first forward on the CPU includes the one-time build of the
+    C++ kernels (``python3 -m hanzo_torch.backends.cpu`` builds them ahead; the CLI activates
+    them right after loading).
 
     Args:
         path: the ``.gguf`` file.
@@ -83,10 +89,7 @@ def load(
     check_max_context(max_context, 2**63, extend_context)  # types and sign, before any work
     from .. import backends
 
-    backends.check_environment()
-    # The kernels of the device's backends (a first build of the C++ CPU kernels) belong to
-    # loading, not to the first forward's timing.
-    backends.activate(device.type)
+    backends.check_environment()  # a malformed HANZO_CPU_ISA fails here, not as a warning at the first op
     f = GGUFFile(path, dtype=dtype)
     args = ModelArgs.from_gguf(f)  # validates the whole header before anything is built
     max_context = check_max_context(max_context, args.context_length, extend_context)
@@ -96,6 +99,11 @@ def load(
         raise ValueError(f"{f.path}: kv_dtype q8_0 needs a head dim that is a multiple of 32, got {args.head_dim}")
     with torch.device("meta"):
         model = Transformer(args, max_context)
+        for name, module in list(model.named_modules()):
+            twin = packed_twin(module)
+            if twin is not None:
+                parent, _, leaf = name.rpartition(".")
+                model.get_submodule(parent).register_module(leaf, twin)
     model.kv_dtype = kv_name
     tensors = f.tensors
     used = set()
@@ -123,9 +131,32 @@ def load(
         model.output.weight = model.token_embd.weight
     model.gguf = f
     model._tokenizer = tokenizer
+    _check_first_logits(model, f.path)
     if device.type == "cpu":
         f.prefetch()  # embedding rows would otherwise be read from disk inside decode steps
     return model.eval()
+
+
+def _check_first_logits(model: nn.Module, path: str) -> None:
+    """Check the logits of the model's first forward, once: weights holding NaN/inf, or values
+    large enough to overflow a norm, give non-finite or constant logits (every activation
+    normalized to 0), which would otherwise decode as token 0 repeated. One host sync; a
+    forward hook removed after the first check, so later forwards run without it."""
+    from ..gguf_file import GGUFError
+
+    def hook(module, args, logits):
+        if torch.compiler.is_compiling() or (logits.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return  # checked by the first eager forward
+        if logits.numel():
+            if not bool(torch.isfinite(logits).all()):
+                raise GGUFError(f"{path}: the model's first logits contain NaN or inf: its weights hold "
+                                "non-finite values or overflow the compute dtype")
+            if logits.shape[-1] > 1 and bool((logits.amax(-1) == logits.amin(-1)).all()):
+                raise GGUFError(f"{path}: the model's first logits are the same for every token: its "
+                                "weights or norms overflow (activations normalized to zero)")
+            handle.remove()
+
+    handle = model.register_forward_hook(hook)
 
 
 _KV_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}

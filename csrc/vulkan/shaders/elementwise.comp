@@ -1,9 +1,13 @@
+// hz: variants any f32 f16 bf16 i64 i32 i16
 #version 450
 // Strided elementwise kernel of the vulkan device's aten glue: copy/cast, fill, add, sub, mul.
 // out[i] = op(a[i], b[i]) over up to 5 coalesced dims (device.cpp's Elementwise); every operand has
 // its own dtype code (HZ_DT_*) and strides in elements (0 for a broadcast dim). Floating results
 // are computed in float32 and rounded once on store (round to nearest even for f16/bf16);
 // integer results in int64 (wrapping on store). Float -> integer casts truncate toward zero.
+// Variants (elementwise.<v>.spv): every operand of one dtype fixed at compile time (the dtype
+// switches fold away: lavapipe ran a float32 multiply 15x faster than with run-time codes), or
+// "any" (codes from dts). Element offsets are 32-bit (the host checks they fit).
 #include "common.glsl"
 
 layout(local_size_x = 256) in;
@@ -30,70 +34,70 @@ layout(push_constant, scalar) uniform Push {
     int sb[5];
 } pc;
 
-float load_f(uint64_t base, uint dt, int64_t i) {
+float load_f(uint64_t base, uint dt, int i) {
     switch (dt) {
-        case HZ_DT_F32: return F32Ptr(base + uint64_t(i) * 4ul).v[0];
-        case HZ_DT_F16: return hz_half_to_float(uint(U16Ptr(base + uint64_t(i) * 2ul).v[0]));
-        case HZ_DT_BF16: return hz_bf16_to_float(uint(U16Ptr(base + uint64_t(i) * 2ul).v[0]));
-        case HZ_DT_I64: return float(I64Ptr(base + uint64_t(i) * 8ul).v[0]);
-        case HZ_DT_I32: return float(I32Ptr(base + uint64_t(i) * 4ul).v[0]);
-        case HZ_DT_U8: return float(uint(U8Ptr(base + uint64_t(i)).v[0]));
-        case HZ_DT_I8: return float(int(I8Ptr(base + uint64_t(i)).v[0]));
-        case HZ_DT_BOOL: return uint(U8Ptr(base + uint64_t(i)).v[0]) != 0u ? 1.0 : 0.0;
-        case HZ_DT_I16: return float(int(I16Ptr(base + uint64_t(i) * 2ul).v[0]));
+        case HZ_DT_F32: return F32Ptr(base).v[i];
+        case HZ_DT_F16: return hz_half_to_float(uint(U16Ptr(base).v[i]));
+        case HZ_DT_BF16: return hz_bf16_to_float(uint(U16Ptr(base).v[i]));
+        case HZ_DT_I64: return float(I64Ptr(base).v[i]);
+        case HZ_DT_I32: return float(I32Ptr(base).v[i]);
+        case HZ_DT_U8: return float(uint(U8Ptr(base).v[i]));
+        case HZ_DT_I8: return float(int(I8Ptr(base).v[i]));
+        case HZ_DT_BOOL: return uint(U8Ptr(base).v[i]) != 0u ? 1.0 : 0.0;
+        case HZ_DT_I16: return float(int(I16Ptr(base).v[i]));
     }
     return 0.0;
 }
 
-int64_t load_i(uint64_t base, uint dt, int64_t i) {
+int64_t load_i(uint64_t base, uint dt, int i) {
     switch (dt) {
-        case HZ_DT_F32: return int64_t(F32Ptr(base + uint64_t(i) * 4ul).v[0]);
-        case HZ_DT_F16: return int64_t(hz_half_to_float(uint(U16Ptr(base + uint64_t(i) * 2ul).v[0])));
-        case HZ_DT_BF16: return int64_t(hz_bf16_to_float(uint(U16Ptr(base + uint64_t(i) * 2ul).v[0])));
-        case HZ_DT_I64: return I64Ptr(base + uint64_t(i) * 8ul).v[0];
-        case HZ_DT_I32: return int64_t(I32Ptr(base + uint64_t(i) * 4ul).v[0]);
-        case HZ_DT_U8: return int64_t(uint(U8Ptr(base + uint64_t(i)).v[0]));
-        case HZ_DT_I8: return int64_t(int(I8Ptr(base + uint64_t(i)).v[0]));
-        case HZ_DT_BOOL: return int64_t(uint(U8Ptr(base + uint64_t(i)).v[0]) != 0u ? 1 : 0);
-        case HZ_DT_I16: return int64_t(int(I16Ptr(base + uint64_t(i) * 2ul).v[0]));
+        case HZ_DT_F32: return int64_t(F32Ptr(base).v[i]);
+        case HZ_DT_F16: return int64_t(hz_half_to_float(uint(U16Ptr(base).v[i])));
+        case HZ_DT_BF16: return int64_t(hz_bf16_to_float(uint(U16Ptr(base).v[i])));
+        case HZ_DT_I64: return I64Ptr(base).v[i];
+        case HZ_DT_I32: return int64_t(I32Ptr(base).v[i]);
+        case HZ_DT_U8: return int64_t(uint(U8Ptr(base).v[i]));
+        case HZ_DT_I8: return int64_t(int(I8Ptr(base).v[i]));
+        case HZ_DT_BOOL: return int64_t(uint(U8Ptr(base).v[i]) != 0u ? 1 : 0);
+        case HZ_DT_I16: return int64_t(int(I16Ptr(base).v[i]));
     }
     return 0;
 }
 
-void store_f(uint64_t base, uint dt, int64_t i, float v) {
+void store_f(uint64_t base, uint dt, int i, float v) {
     switch (dt) {
-        case HZ_DT_F32: F32Ptr(base + uint64_t(i) * 4ul).v[0] = v; break;
-        case HZ_DT_F16: U16Ptr(base + uint64_t(i) * 2ul).v[0] = uint16_t(hz_float_to_half(v)); break;
-        case HZ_DT_BF16: U16Ptr(base + uint64_t(i) * 2ul).v[0] = uint16_t(hz_float_to_bf16(v)); break;
-        case HZ_DT_I64: I64Ptr(base + uint64_t(i) * 8ul).v[0] = int64_t(v); break;
-        case HZ_DT_I32: I32Ptr(base + uint64_t(i) * 4ul).v[0] = int(int64_t(v)); break;
-        case HZ_DT_U8: U8Ptr(base + uint64_t(i)).v[0] = uint8_t(uint(int64_t(v)) & 0xFFu); break;
-        case HZ_DT_I8: I8Ptr(base + uint64_t(i)).v[0] = int8_t(int(int64_t(v))); break;
-        case HZ_DT_BOOL: U8Ptr(base + uint64_t(i)).v[0] = uint8_t(v != 0.0 ? 1u : 0u); break;
-        case HZ_DT_I16: I16Ptr(base + uint64_t(i) * 2ul).v[0] = int16_t(int(int64_t(v))); break;
+        case HZ_DT_F32: F32Ptr(base).v[i] = v; break;
+        case HZ_DT_F16: U16Ptr(base).v[i] = uint16_t(hz_float_to_half(v)); break;
+        case HZ_DT_BF16: U16Ptr(base).v[i] = uint16_t(hz_float_to_bf16(v)); break;
+        case HZ_DT_I64: I64Ptr(base).v[i] = int64_t(v); break;
+        case HZ_DT_I32: I32Ptr(base).v[i] = int(int64_t(v)); break;
+        case HZ_DT_U8: U8Ptr(base).v[i] = uint8_t(uint(int64_t(v)) & 0xFFu); break;
+        case HZ_DT_I8: I8Ptr(base).v[i] = int8_t(int(int64_t(v))); break;
+        case HZ_DT_BOOL: U8Ptr(base).v[i] = uint8_t(v != 0.0 ? 1u : 0u); break;
+        case HZ_DT_I16: I16Ptr(base).v[i] = int16_t(int(int64_t(v))); break;
     }
 }
 
-void store_i(uint64_t base, uint dt, int64_t i, int64_t v) {
+void store_i(uint64_t base, uint dt, int i, int64_t v) {
     switch (dt) {
-        case HZ_DT_F32: F32Ptr(base + uint64_t(i) * 4ul).v[0] = float(v); break;
-        case HZ_DT_F16: U16Ptr(base + uint64_t(i) * 2ul).v[0] = uint16_t(hz_float_to_half(float(v))); break;
-        case HZ_DT_BF16: U16Ptr(base + uint64_t(i) * 2ul).v[0] = uint16_t(hz_float_to_bf16(float(v))); break;
-        case HZ_DT_I64: I64Ptr(base + uint64_t(i) * 8ul).v[0] = v; break;
-        case HZ_DT_I32: I32Ptr(base + uint64_t(i) * 4ul).v[0] = int(v); break;
-        case HZ_DT_U8: U8Ptr(base + uint64_t(i)).v[0] = uint8_t(uint(v) & 0xFFu); break;
-        case HZ_DT_I8: I8Ptr(base + uint64_t(i)).v[0] = int8_t(int(v)); break;
-        case HZ_DT_BOOL: U8Ptr(base + uint64_t(i)).v[0] = uint8_t(v != 0 ? 1u : 0u); break;
-        case HZ_DT_I16: I16Ptr(base + uint64_t(i) * 2ul).v[0] = int16_t(int(v)); break;
+        case HZ_DT_F32: F32Ptr(base).v[i] = float(v); break;
+        case HZ_DT_F16: U16Ptr(base).v[i] = uint16_t(hz_float_to_half(float(v))); break;
+        case HZ_DT_BF16: U16Ptr(base).v[i] = uint16_t(hz_float_to_bf16(float(v))); break;
+        case HZ_DT_I64: I64Ptr(base).v[i] = v; break;
+        case HZ_DT_I32: I32Ptr(base).v[i] = int(v); break;
+        case HZ_DT_U8: U8Ptr(base).v[i] = uint8_t(uint(v) & 0xFFu); break;
+        case HZ_DT_I8: I8Ptr(base).v[i] = int8_t(int(v)); break;
+        case HZ_DT_BOOL: U8Ptr(base).v[i] = uint8_t(v != 0 ? 1u : 0u); break;
+        case HZ_DT_I16: I16Ptr(base).v[i] = int16_t(int(v)); break;
     }
 }
 
-void store_bits(uint64_t base, uint dt, int64_t i, uint64_t bits) {
+void store_bits(uint64_t base, uint dt, int i, uint64_t bits) {
     switch (dt) {
-        case HZ_DT_F32: case HZ_DT_I32: U32Ptr(base + uint64_t(i) * 4ul).v[0] = uint(bits); break;
-        case HZ_DT_F16: case HZ_DT_BF16: case HZ_DT_I16: U16Ptr(base + uint64_t(i) * 2ul).v[0] = uint16_t(uint(bits) & 0xFFFFu); break;
-        case HZ_DT_I64: U64Ptr(base + uint64_t(i) * 8ul).v[0] = bits; break;
-        default: U8Ptr(base + uint64_t(i)).v[0] = uint8_t(uint(bits) & 0xFFu); break;
+        case HZ_DT_F32: case HZ_DT_I32: U32Ptr(base).v[i] = uint(bits); break;
+        case HZ_DT_F16: case HZ_DT_BF16: case HZ_DT_I16: U16Ptr(base).v[i] = uint16_t(uint(bits) & 0xFFFFu); break;
+        case HZ_DT_I64: U64Ptr(base).v[i] = bits; break;
+        default: U8Ptr(base).v[i] = uint8_t(uint(bits) & 0xFFu); break;
     }
 }
 
@@ -101,16 +105,36 @@ void main() {
     uint64_t lin = hz_linear_id(256);
     if (lin >= uint64_t(pc.n)) return;
     uint r = uint(lin);
-    int64_t io = 0, ia = 0, ib = 0;
+    int io = 0, ia = 0, ib = 0;
     for (int d = int(pc.ndim) - 1; d >= 0; --d) {
         uint c = r % pc.size[d];
         r /= pc.size[d];
-        io += int64_t(c) * pc.so[d];
-        ia += int64_t(c) * pc.sa[d];
-        ib += int64_t(c) * pc.sb[d];
+        io += int(c) * pc.so[d];
+        ia += int(c) * pc.sa[d];
+        ib += int(c) * pc.sb[d];
     }
+#if defined(HZ_VARIANT_f32)
+    const uint dto = HZ_DT_F32, dta = HZ_DT_F32, dtb = HZ_DT_F32;
+    const bool integer = false;
+#elif defined(HZ_VARIANT_f16)
+    const uint dto = HZ_DT_F16, dta = HZ_DT_F16, dtb = HZ_DT_F16;
+    const bool integer = false;
+#elif defined(HZ_VARIANT_bf16)
+    const uint dto = HZ_DT_BF16, dta = HZ_DT_BF16, dtb = HZ_DT_BF16;
+    const bool integer = false;
+#elif defined(HZ_VARIANT_i64)
+    const uint dto = HZ_DT_I64, dta = HZ_DT_I64, dtb = HZ_DT_I64;
+    const bool integer = true;
+#elif defined(HZ_VARIANT_i32)
+    const uint dto = HZ_DT_I32, dta = HZ_DT_I32, dtb = HZ_DT_I32;
+    const bool integer = true;
+#elif defined(HZ_VARIANT_i16)
+    const uint dto = HZ_DT_I16, dta = HZ_DT_I16, dtb = HZ_DT_I16;
+    const bool integer = true;
+#else
     uint dto = pc.dts & 0xFFu, dta = (pc.dts >> 8) & 0xFFu, dtb = (pc.dts >> 16) & 0xFFu;
     bool integer = (pc.dts >> 24) != 0u;
+#endif
     if (pc.op == OP_FILL) {
         store_bits(pc.out_, dto, io, pc.b);
         return;
@@ -119,10 +143,10 @@ void main() {
         if (dta == dto) {
             // same type: move the bits (exact for NaN payloads and every integer)
             switch (dto) {
-                case HZ_DT_F32: case HZ_DT_I32: U32Ptr(pc.out_ + uint64_t(io) * 4ul).v[0] = U32Ptr(pc.a + uint64_t(ia) * 4ul).v[0]; break;
-                case HZ_DT_F16: case HZ_DT_BF16: case HZ_DT_I16: U16Ptr(pc.out_ + uint64_t(io) * 2ul).v[0] = U16Ptr(pc.a + uint64_t(ia) * 2ul).v[0]; break;
-                case HZ_DT_I64: U64Ptr(pc.out_ + uint64_t(io) * 8ul).v[0] = U64Ptr(pc.a + uint64_t(ia) * 8ul).v[0]; break;
-                default: U8Ptr(pc.out_ + uint64_t(io)).v[0] = U8Ptr(pc.a + uint64_t(ia)).v[0]; break;
+                case HZ_DT_F32: case HZ_DT_I32: U32Ptr(pc.out_).v[io] = U32Ptr(pc.a).v[ia]; break;
+                case HZ_DT_F16: case HZ_DT_BF16: case HZ_DT_I16: U16Ptr(pc.out_).v[io] = U16Ptr(pc.a).v[ia]; break;
+                case HZ_DT_I64: U64Ptr(pc.out_).v[io] = U64Ptr(pc.a).v[ia]; break;
+                default: U8Ptr(pc.out_).v[io] = U8Ptr(pc.a).v[ia]; break;
             }
         } else if (integer) {
             store_i(pc.out_, dto, io, load_i(pc.a, dta, ia));

@@ -13,15 +13,20 @@ Maths (float32 whatever the input dtype; one rounding to the input dtype at the 
         ``inv_freq``/angle arithmetic.
     kv_cache_write: caches f32/f16/bf16 or q8_0 blocks (uint8), whatever k/v's dtype: a copy
         when the dtypes match, else per row a rounding to nearest even or ggml's q8_0 quantizer.
-    attention: decode-sized calls (T < 8): per (batch, token, KV head, chunk of 256 keys of
-        ``0..position``) each key and value row is read and converted to float32 once for the
+    attention: one query token (T = 1, decode): per (batch, token, KV head, chunk of 256 keys
+        of ``0..position``) each key and value row is read and converted to float32 once for the
         G query heads of the group; chunks run on separate threads and are merged by their
-        softmax maxima and sums (one chunk is the exact max-subtracted softmax). Prompts: per
-        (batch, KV head, tile of ~32 tokens) two float32 BLAS GEMMs (``at::mm``) over the keys
-        up to the tile's last position, masked per row at its own position, exact softmax, on
-        a float32 copy of the live prefix. P*V in float32 throughout; only the live prefix
-        ``0..max(positions)`` of the cache is read. ``impl`` (eager/flash) is an
-        accuracy/memory choice of the references; this kernel gives the same maths for all.
+        softmax maxima and sums (one chunk is the exact max-subtracted softmax). T > 1 (prompts,
+        chunked prefill): flash-style tiles. A query tile of ~48 rows (tokens x the G heads of
+        one KV head) meets key tiles of 64 keys up to the tile's last position; each key tile is
+        converted to float32 once for all those rows, scores are masked per row at its own
+        position, and an online softmax (running max and sum, float32) accumulates P*V, so no
+        score row longer than one key tile exists. Few query tiles on a long context split
+        their key range over threads (merged like the decode chunks). P*V in float32
+        throughout; only the live prefix ``0..max(positions)`` of the cache is read. ``impl``
+        (eager/flash) is an accuracy/memory choice of the references; this kernel gives the
+        same maths for all. :func:`use_attention_prefill` selects the earlier prompt kernel
+        (two BLAS GEMMs per token tile on a float32 copy of the live prefix) for an A/B.
     moe_route: torch's float32 softmax, then top-k by a partial sort with ties to the lower
         expert index and the optional renormalization in C++.
 
@@ -30,14 +35,16 @@ relative (summation order and libm differ); bf16/f16 results to one rounding of 
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from ...ops import fused as _ref
 
-__all__ = ["rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route", "OPS"]
+__all__ = ["rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route", "OPS",
+           "ATTENTION_PREFILL_PATHS", "use_attention_prefill"]
 
 OPS = ("rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route")
 
@@ -85,6 +92,35 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, sc
     if op is None:
         return _ref.attention_reference(q, k_cache, v_cache, positions, scale, impl)
     return op(q, k_cache, v_cache, positions, scale)
+
+
+ATTENTION_PREFILL_PATHS = ("flash", "gemm")
+"""Kernels of CPU attention calls with T > 1 query tokens: ``flash`` (the default: online-softmax
+tiles) and ``gemm`` (the earlier kernel: BLAS GEMM tiles from 8 tokens, the decode kernel below)."""
+
+
+@contextlib.contextmanager
+def use_attention_prefill(path: str) -> Iterator[None]:
+    """Run CPU attention calls of T > 1 query tokens with kernel ``path`` inside the block.
+
+    ``path`` is one of :data:`ATTENTION_PREFILL_PATHS`. The choice is process-wide (every thread,
+    every caller of ``torch.ops.hanzo.attention`` on CPU tensors) and is restored on exit; it is
+    meant for comparing the two kernels in one process (tests, benchmarks).
+
+    Raises:
+        ValueError: ``path`` is not one of :data:`ATTENTION_PREFILL_PATHS`.
+        RuntimeError: the C++ extension cannot be built.
+    """
+    if path not in ATTENTION_PREFILL_PATHS:
+        raise ValueError(f"use_attention_prefill: path must be one of {ATTENTION_PREFILL_PATHS}, got {path!r}")
+    if _kernel("attention") is None:
+        raise RuntimeError("use_attention_prefill: the C++ CPU kernels are not available")
+    op = torch.ops.hanzo_cpu.set_attention_prefill.default
+    prev = op(ATTENTION_PREFILL_PATHS.index(path))
+    try:
+        yield
+    finally:
+        op(prev)
 
 
 def moe_route(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:

@@ -7,7 +7,9 @@ Importing this package is cheap and never fails. :func:`build` (called by :func:
    ``<cache>/vk-<key>/spv-<hash>/<name>.spv``; a shader whose first line is ``// hz: per-format`` is
    compiled once per format of the Vulkan rule table (the ``// hz: formats ...`` line at the top of
    ``shaders/formats.glsl``) with ``-DHZ_FMT_<NAME>=1 -DHZ_FMT=<NAME>`` into ``<name>.<NAME>.spv``;
-   a shader that fails to compile is reported (:func:`status` ``shader_errors``), not fatal;
+   a shader whose first line is ``// hz: variants a b ...`` is compiled once per variant with
+   ``-DHZ_VARIANT_<v>=1`` into ``<name>.<v>.spv``; a shader that fails to compile is reported
+   (:func:`status` ``shader_errors``), not fatal;
 2. builds the C++ extension (every ``csrc/vulkan/*.cpp``, linked with ``-lvulkan``) with
    ``torch.utils.cpp_extension.load``, cached like the CPU one (``~/.cache/hanzo-torch/ext``);
 3. starts the runtime (``ext.init(spv_dir)``: Vulkan 1.2+ instance, device, compute queue);
@@ -44,8 +46,8 @@ from typing import Optional
 NAME = "vulkan"
 DEVICE_TYPES = ("vulkan",)
 
-__all__ = ["NAME", "DEVICE_TYPES", "build", "extension", "available", "status", "formats", "register",
-           "synchronize", "profile", "profiling", "memory_stats", "empty_cache", "features", "fallback_ops",
+__all__ = ["NAME", "DEVICE_TYPES", "claim_device", "build", "extension", "available", "status", "formats", "register",
+           "synchronize", "profile", "profiling", "set_profiling", "memory_stats", "empty_cache", "features", "fallback_ops",
            "spv_dir", "GLSLC_FLAGS"]
 
 GLSLC_FLAGS = ("--target-env=vulkan1.2", "-O")
@@ -123,7 +125,11 @@ def _shader_jobs(out: Path) -> list:
     for src in _shaders():
         with open(src) as f:
             first = f.readline()
-        if re.match(r"\s*//\s*hz:\s*per-format", first):
+        variants = re.match(r"\s*//\s*hz:\s*variants\s+(.*)$", first)
+        if variants:
+            for v in variants.group(1).split():
+                jobs.append((src, out / f"{src.stem}.{v}.spv", [f"-DHZ_VARIANT_{v}=1"]))
+        elif re.match(r"\s*//\s*hz:\s*per-format", first):
             for fmt in fmts:
                 jobs.append((src, out / f"{src.stem}.{fmt}.spv", [f"-DHZ_FMT_{fmt}=1", f"-DHZ_FMT={fmt}"]))
         else:
@@ -157,16 +163,33 @@ def _compile_shaders(out: Path, glslc: str) -> dict:
     return errors
 
 
-def _register_device() -> None:
-    """Name PrivateUse1 "vulkan" and give torch the device module (once per process)."""
+def claim_device() -> bool:
+    """Name torch's PrivateUse1 device "vulkan" and register :mod:`.device_module` as ``torch.vulkan``
+    (cheap: nothing is built). Done at ``import hanzo_torch``, so that ``torch.device("vulkan")``
+    means this device (otherwise torch parses it as its built-in, unsupported Vulkan type); the
+    first vulkan tensor then starts the backend (``torch.vulkan._lazy_init``). False when another
+    extension has already named PrivateUse1."""
     import torch
 
-    if torch.device("privateuseone").type != NAME:
+    name = torch.device("privateuseone").type
+    if name not in ("privateuseone", NAME):
+        return False
+    if name != NAME:
         torch.utils.rename_privateuse1_backend(NAME)
-    from . import device_module
-
     if not hasattr(torch, NAME):
+        from . import device_module
+
         torch._register_device_module(NAME, device_module)
+    return True
+
+
+def _register_device() -> None:
+    """The device name and module, and the storage methods (once per process)."""
+    import torch
+
+    if not claim_device():
+        raise RuntimeError(f"the PrivateUse1 device is already named {torch.device('privateuseone').type!r} "
+                           "by another extension")
     try:  # storage.vulkan() / storage.is_vulkan; the Tensor ones clash with torch's built-in Vulkan names
         torch.utils.generate_methods_for_privateuse1_backend(for_tensor=False, for_module=False,
                                                              for_packed_sequence=False, for_storage=True)
@@ -211,9 +234,9 @@ def build(verbose: bool = False):
             return _ext
         import torch
 
-        name = torch.device("privateuseone").type
-        if name not in ("privateuseone", NAME):
-            raise RuntimeError(f"the PrivateUse1 device is already named {name!r} by another extension")
+        if not claim_device():
+            raise RuntimeError(f"the PrivateUse1 device is already named {torch.device('privateuseone').type!r} "
+                               "by another extension")
         key = _build_key()
         build_dir = _cache_root() / f"vk-{key}"
         spv = build_dir / f"spv-{_shader_key()}"
@@ -348,6 +371,12 @@ def synchronize() -> None:
 def profiling() -> bool:
     """True when ``HANZO_VK_PROFILE=1`` was set when the runtime started."""
     return bool(_need().profiling())
+
+
+def set_profiling(enabled: bool) -> None:
+    """Turn the profile counters on or off in process (``HANZO_VK_PROFILE=1`` turns them on at
+    start); resets them."""
+    _need().set_profiling(bool(enabled))
 
 
 def profile() -> dict:
