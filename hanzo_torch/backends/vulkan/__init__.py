@@ -197,6 +197,29 @@ def _register_device() -> None:
         pass  # already generated in this process
 
 
+_REFERENCE_SETTERS = ("fused_set_reference", "quant_set_reference")
+"""Ops ``hanzo_vulkan::<name>(str op, bool enabled) -> bool`` of csrc/vulkan/ops_*.cpp that take
+an op's reference mode (each file's kernels keep their own flags)."""
+
+
+def _mirror_reference_mode() -> None:
+    """Hand the ops' reference mode (:mod:`hanzo_torch.ops`) to the Vulkan kernels, now and on every change."""
+    import torch
+
+    from ...ops import _dispatch
+
+    ns = torch.ops.hanzo_vulkan
+    setters = [getattr(ns, n) for n in _REFERENCE_SETTERS if hasattr(ns, n)]
+
+    def apply(op: str, enabled: bool) -> None:
+        for fn in setters:
+            fn(op, enabled)
+
+    for op in _dispatch.reference_ops():
+        apply(op, True)
+    _dispatch.on_reference_change(apply)
+
+
 def build(verbose: bool = False):
     """Compile the shaders and the extension (or load them from the cache), start the runtime and
     register the device; return the extension.
@@ -256,6 +279,7 @@ def build(verbose: bool = False):
                                    "apt-get install libvulkan1 mesa-vulkan-drivers") from None
         ext.init(str(spv))
         _register_device()
+        _mirror_reference_mode()
         _spv_dir = spv
         _ext = ext
         _failed = None

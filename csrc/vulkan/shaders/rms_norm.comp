@@ -1,0 +1,4 @@
+#version 450
+// hanzo::rms_norm (body in norm.glsl)
+#include "fused.glsl"
+#include "norm.glsl"
