@@ -166,7 +166,10 @@ def build(verbose: bool = False):
 
 
 def _load_ext(load, key, build_dir, verbose):
-    return load(
+    from .._build import build_lock
+
+    with build_lock(build_dir):
+        return load(
             name=f"hanzo_cpu_{key}",
             sources=[str(_SRC_DIR / s) for s in _SOURCES],
             extra_cflags=["-O3", "-fopenmp", "-std=c++17"],

@@ -270,10 +270,13 @@ def build(verbose: bool = False):
         ldflags = ["-lvulkan"] + ([f"-L{Path(sdk) / 'lib'}"] if sdk else [])
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            from .._build import build_lock
+
             try:
-                ext = load(name=f"hanzo_vulkan_{key}", sources=[str(s) for s in _sources()],
-                           extra_cflags=["-O2", "-std=c++17"], extra_ldflags=ldflags,
-                           extra_include_paths=include, build_directory=str(build_dir), verbose=verbose)
+                with build_lock(build_dir):
+                    ext = load(name=f"hanzo_vulkan_{key}", sources=[str(s) for s in _sources()],
+                               extra_cflags=["-O2", "-std=c++17"], extra_ldflags=ldflags,
+                               extra_include_paths=include, build_directory=str(build_dir), verbose=verbose)
             except ImportError as e:  # the .so built elsewhere but libvulkan.so.1 is missing here
                 raise RuntimeError(f"the Vulkan loader could not be loaded ({e}); on Debian/Ubuntu: "
                                    "apt-get install libvulkan1 mesa-vulkan-drivers") from None
