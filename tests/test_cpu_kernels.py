@@ -25,7 +25,6 @@ from hanzo_torch.backends import cpu as hcpu
 from hanzo_torch.ops import quant
 from format_utils import FLOAT_FIELDS, gguf_dequantize
 
-QTYPES = hcpu.SUPPORTED_QTYPES
 GT = gguf.GGMLQuantizationType
 
 # Byte offsets of the fp16 scale fields per block (random bytes there could be inf/nan), from the

@@ -40,10 +40,6 @@ from hanzo_torch.ops import quant as ref_quant  # noqa: E402
 from hanzo_torch.backends.triton._testing import (  # noqa: E402
     gguf_dequantize, matmul_bound, matvec_q8_1_reference, random_packed)
 
-# The formats of the real Qwen GGUFs plus the dense ones: checked in more configurations.
-QWEN_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "F16", "BF16", "F32")
-
-
 def _all_formats():
     from hanzo_torch.backends.triton.formats import SUPPORTED
 
@@ -209,6 +205,12 @@ def test_float_decode_of_the_int8_decode_formats(tk, qtype):
     ref = ref_quant.mul_mat_id_reference(x, w, ids, qtype)
     bound = torch.stack([x[t].double().abs() @ wf[ids[t, j]].double().abs().t() for t in range(2) for j in range(2)])
     _assert_close_bound(y, ref, bound, 1e-5, f"mul_mat_id {qtype} f32 decode")
+
+
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "F16", "BF16", "F32"))
+def test_mul_mat_float16_activations(tk, qtype):
+    # (float32 and bfloat16 activations, every format: tests/test_conformance.py)
+    _check_mul_mat(tk, qtype, 5, torch.float16)
 
 
 def test_mul_mat_errors(tk):
