@@ -72,7 +72,8 @@ class Backend:
       every M and dtype of the contractions); None: all of ``formats`` (an interpreted backend
       names fewer to stay fast; its other formats get the decode and GEMM cases);
     - ``interpreted``: its kernels run in an interpreter (seconds per call): the sweeps take their
-      smaller cases (fewer rows, one impl name per kernel, the small attention shapes).
+      smaller cases (fewer rows, one impl name per kernel, the small attention shapes), and the
+      tail, extreme-byte and gate+up sweeps run on the first three ``edge_formats`` only.
     """
 
     name: str
@@ -89,6 +90,10 @@ class Backend:
 
     def edge(self, qtype: str) -> bool:
         return self.edge_formats is None or qtype in self.edge_formats
+
+    def sweep(self, qtype: str) -> bool:
+        """Whether the long per-format sweeps (tails, extreme bytes, gate+up) run on ``qtype``."""
+        return self.edge(qtype) and not (self.interpreted and qtype not in self.edge_formats[:3])
 
 
 def _cpu_x_hat(op, x, qtype):
@@ -143,7 +148,7 @@ def _triton_backend() -> Backend:
 
     return Backend("triton-interp", run, tuple(sorted(q for q in fmts if q != "NVFP4")),
                    matvec_max_rows=quant.MATVEC_MAX_M, x_hat=x_hat, rounds_to_nearest=False,
-                   edge_formats=("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "IQ2_XXS", "IQ3_S", "MXFP4", "F16", "BF16",
+                   edge_formats=("Q4_K", "Q8_0", "IQ2_XXS", "Q4_0", "Q5_0", "Q6_K", "IQ3_S", "MXFP4", "F16", "BF16",
                                  "F32"), interpreted=True)
 
 
@@ -364,7 +369,7 @@ def test_mul_mat(backend, qtype):
                              wf, qtype, f"{qtype} {dtype}")
 
 
-@pytest.mark.parametrize("backend,qtype", _params(lambda b: [q for q in b.formats if b.edge(q)]))
+@pytest.mark.parametrize("backend,qtype", _params(lambda b: [q for q in b.formats if b.sweep(q)]))
 def test_mul_mat_row_and_block_tails(backend, qtype):
     """Decode with 3 and 7 blocks per row (a one-block tail; a 4-block step and a tail) and N = 1,
     2, 5, 8 rows (one row, one pair, pairs and a tail), one and two activation rows."""
@@ -397,7 +402,7 @@ def _filled(qtype, rows, K, byte):
 
 
 @pytest.mark.parametrize("backend,qtype",
-                         _params(lambda b: [q for q in b.formats if b.edge(q) and _filled(q, 1, 256, 0) is not None]))
+                         _params(lambda b: [q for q in b.formats if b.sweep(q) and _filled(q, 1, 256, 0) is not None]))
 def test_mul_mat_extreme_values(backend, qtype):
     """Saturated int8 activations (|xq| = 127 everywhere) against all-0x00/0x80/0xFF/0x7F weight
     bytes (Q8_0 -128 and +127, largest nibbles and high bits, largest K-quant sub-block scales)."""
@@ -449,7 +454,7 @@ def test_mul_mat_id(backend, qtype):
 def _swiglu_mm_params():
     out = []
     for b in BACKENDS:
-        for q in [q for q in b.formats if b.edge(q)]:
+        for q in [q for q in b.formats if b.sweep(q)]:
             up = "Q6_K" if "Q6_K" in b.formats else q
             out.append(pytest.param(b, q, up, id=f"{b.name}-{q}+{up}"))
         for qg, qu in (("Q4_K", "Q4_K"), ("Q8_0", "Q5_0"), ("IQ2_XXS", "Q2_K"), ("F16", "Q4_0"), ("BF16", "F32")):
