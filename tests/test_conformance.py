@@ -44,8 +44,6 @@ from hanzo_torch.backends.triton._testing import random_packed
 from hanzo_torch.ops import fused as ref_fused
 
 ONLY = os.environ.get("HANZO_CONFORMANCE", "")  # set in the child process that runs the interpreter
-QUANT = [f for f in hanzo_torch.QUANTIZED_FORMATS if f != "NVFP4"]
-ONE_PER_FAMILY = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ2_XXS", "IQ4_XS", "TQ2_0", "MXFP4"]
 KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
