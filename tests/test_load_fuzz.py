@@ -3,11 +3,12 @@
 
 Every case must end as "ok" (loaded, finite logits, one token generated and decoded) or as a
 ``GGUFError``; any other exception, non-finite logits accepted, a timeout or a crash fails. The
-default run has 2,000 cases; the slow-marked one 20,000.
+default run has cases 0-999; the slow-marked ones cases 1,000-1,999 and 20,000 more.
 
-Outcomes when this was written: 2,000 cases -> 1,490 GGUFError, 510 ok (120 s of CPU over the
-two fork servers); 20,000 cases -> 15,023 GGUFError, 4,977 ok; no other exception, non-finite
-logits, timeout or crash in either.
+Outcomes when this was written: cases 0-1,999 -> 1,490 GGUFError, 510 ok (120 s of CPU over the
+two fork servers), of which cases 0-999 -> 751 GGUFError, 249 ok (73 s of CPU on a loaded
+machine); 20,000 cases -> 15,023 GGUFError, 4,977 ok; no other exception, non-finite logits,
+timeout or crash in any.
 """
 from __future__ import annotations
 
@@ -94,11 +95,20 @@ def _report(n: int, t0: float, r0, counts: dict) -> None:
     print(f"\nload fuzz: {n} cases in {time.perf_counter() - t0:.1f} s wall, {cpu:.1f} s CPU: {counts}")
 
 
-def test_load_fuzz_2000_cases():
+def test_load_fuzz_1000_cases():
     t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    counts, failures = fuzz(0, 2000)
-    _report(2000, t0, r0, counts)
-    _check(counts, failures, 2000)
+    counts, failures = fuzz(0, 1000)
+    _report(1000, t0, r0, counts)
+    _check(counts, failures, 1000)
+
+
+@pytest.mark.slow
+def test_load_fuzz_cases_1000_to_1999():
+    # the second half of the former default run (cases 0-1999), kept with the slow runs
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    counts, failures = fuzz(1000, 1000)
+    _report(1000, t0, r0, counts)
+    _check(counts, failures, 1000)
 
 
 @pytest.mark.slow
