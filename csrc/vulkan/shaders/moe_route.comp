@@ -3,6 +3,9 @@
 // experts of highest probability in descending order (ties to the lower expert index, NaN above
 // everything, as the reference's stable descending sort orders them): an expert's rank is the
 // number of experts ahead of it, so each of the k first is written by its own invocation.
+// Ranks compare logits, which order the experts as their probabilities do, except that a device
+// flushing subnormal results to zero (lavapipe does) would turn probabilities below 2^-126 into
+// ties and pick the lower index where the reference picks the larger logit.
 // Weights optionally divided by their sum. Limits (else the reference): E <= 1024, k <= 256.
 #include "fused.glsl"
 #define FZ_WG 64u
@@ -14,6 +17,7 @@ layout(push_constant) uniform Push {
 } p;
 
 shared float prob[1024];
+shared float logit[1024];
 shared float top[256];
 shared float red[FZ_WG];
 
@@ -29,6 +33,7 @@ void main() {
     for (uint e = tid; e < E; e += FZ_WG) {
         const float v = fz_load(row, p.dt, e);
         prob[e] = v;
+        logit[e] = v;
         mx = isnan(v) || isnan(mx) ? uintBitsToFloat(0x7fc00000u) : max(mx, v);
     }
     red[tid] = mx;
@@ -58,14 +63,15 @@ void main() {
     for (uint e = tid; e < E; e += FZ_WG) prob[e] = prob[e] / sum;
     barrier();
     for (uint e = tid; e < E; e += FZ_WG) {
-        const float pe = prob[e];
+        const float le = logit[e];
         uint rank = 0u;
-        for (uint f = 0u; f < E && rank < p.k; ++f) {
-            const float pf = prob[f];
-            if (fz_ahead(pf, pe) || (f < e && !fz_ahead(pe, pf))) ++rank;
+        if (isnan(mx)) rank = e;  // one NaN logit makes every probability NaN: all tie, index order
+        else for (uint f = 0u; f < E && rank < p.k; ++f) {
+            const float lf = logit[f];
+            if (fz_ahead(lf, le) || (f < e && !fz_ahead(le, lf))) ++rank;
         }
         if (rank < p.k) {
-            top[rank] = pe;
+            top[rank] = prob[e];
             FzI64(p.ids).v[t * p.k + rank] = int64_t(e);
         }
     }
