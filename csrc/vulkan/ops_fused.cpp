@@ -15,6 +15,7 @@
 // arguments or computes the result. Positions stay on the device: kv_cache_write skips a
 // position outside [0, S); attention lets a position >= S see the whole cache and a negative one
 // nothing (zeros), as the Triton kernels do.
+#include "reference_mode.h"
 #include "runtime.h"
 
 #include <ATen/ATen.h>
@@ -38,26 +39,14 @@ namespace fused {
 enum Op { RMS_NORM, ADD_RMS_NORM, QK_NORM_ROPE, SWIGLU, KV_CACHE_WRITE, ATTENTION, MOE_ROUTE, N_OPS };
 const char* const kOpNames[N_OPS] = {"rms_norm", "add_rms_norm", "qk_norm_rope", "swiglu", "kv_cache_write",
                                      "attention", "moe_route"};
-std::atomic<bool> g_reference[N_OPS];
+ReferenceFlags<N_OPS> g_reference(kOpNames);
 
 // Reference mode of one op (true: its calls run torch.ops.hanzo_ref.<op>); false for a name
 // that is not one of these ops.
-bool set_reference(const std::string& op, bool enabled) {
-    for (int i = 0; i < N_OPS; ++i)
-        if (op == kOpNames[i]) {
-            g_reference[i].store(enabled);
-            return true;
-        }
-    return false;
-}
+bool set_reference(const std::string& op, bool enabled) { return g_reference.set(op, enabled); }
 
 // The ops whose kernels are in reference mode now.
-std::vector<std::string> reference_ops() {
-    std::vector<std::string> out;
-    for (int i = 0; i < N_OPS; ++i)
-        if (g_reference[i].load()) out.push_back(kOpNames[i]);
-    return out;
-}
+std::vector<std::string> reference_ops() { return g_reference.enabled(); }
 
 }  // namespace fused
 }  // namespace vk
@@ -67,7 +56,7 @@ namespace {
 
 using hz::vk::fused::Op;
 
-bool use_ref(Op op) { return hz::vk::fused::g_reference[op].load(std::memory_order_relaxed); }
+bool use_ref(Op op) { return hz::vk::fused::g_reference.on(op); }
 
 template <class Sig>
 c10::TypedOperatorHandle<Sig> ref_op(const char* name) {

@@ -28,6 +28,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "reference_mode.h"
 #include "runtime.h"
 
 namespace hz::vk::quant {
@@ -40,7 +41,7 @@ constexpr int64_t kMatVecRows = 8;        // HZ_MV_MAX_M of mul_mat_vec.comp
 constexpr int64_t kTile = 64;             // BM = BN of mul_mat.comp
 constexpr uint32_t kMaxGroups = 65535;    // the smallest maxComputeWorkGroupCount Vulkan allows
 
-std::atomic<bool> g_reference[N_OPS];
+ReferenceFlags<N_OPS> g_reference(kOpNames);
 std::atomic<bool> g_configured{false};
 struct Fmt {
   int64_t qk, ts;
@@ -72,7 +73,7 @@ void ensure_configured() {
 
 bool use_ref(Op op) {
   ensure_configured();
-  return !g_configured.load(std::memory_order_acquire) || g_reference[op].load(std::memory_order_relaxed);
+  return !g_configured.load(std::memory_order_acquire) || g_reference.on(op);
 }
 
 template <class Sig>
@@ -355,21 +356,9 @@ void configure(std::vector<std::string> names, std::vector<int64_t> qk, std::vec
 
 // Reference mode of one op (true: its calls run torch.ops.hanzo_ref.<op>); false for a name that
 // is not one of these ops.
-bool set_reference(const std::string& name, bool enabled) {
-  for (int i = 0; i < N_OPS; ++i)
-    if (name == kOpNames[i]) {
-      g_reference[i].store(enabled);
-      return true;
-    }
-  return false;
-}
+bool set_reference(const std::string& name, bool enabled) { return g_reference.set(name, enabled); }
 
-std::vector<std::string> reference_ops() {
-  std::vector<std::string> out;
-  for (int i = 0; i < N_OPS; ++i)
-    if (g_reference[i].load()) out.push_back(kOpNames[i]);
-  return out;
-}
+std::vector<std::string> reference_ops() { return g_reference.enabled(); }
 
 std::vector<std::string> configured_formats() {
   ensure_configured();
