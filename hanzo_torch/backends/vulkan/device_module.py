@@ -57,5 +57,17 @@ def manual_seed_all(seed: int) -> None:
     """Random numbers for vulkan tensors are drawn on the CPU (the fallback): nothing to seed here."""
 
 
+def get_rng_state(device=None) -> torch.Tensor:
+    """The generator state random ops on vulkan tensors use: the CPU generator's, since they run on
+    the CPU through the fallback (uint8 tensor, as ``torch.get_rng_state``). ``torch.random.fork_rng``
+    asks for it: torch takes this device as the default accelerator once it is named."""
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device=None) -> None:
+    """Restore a state from :func:`get_rng_state` (the CPU generator's)."""
+    torch.set_rng_state(state)
+
+
 def get_amp_supported_dtype():
     return [torch.float16, torch.bfloat16]
