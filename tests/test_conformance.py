@@ -148,10 +148,16 @@ def _triton_backend() -> Backend:
         decode = rows == 1 if op == "mul_mat" else (op == "mul_mat_id" and rows <= quant.MATVEC_MAX_M)
         return _q8_1_values(x) if decode and quant._decode_int8(qtype) else x.double()
 
-    return Backend("triton-interp", run, tuple(sorted(q for q in fmts if q != "NVFP4")),
-                   matvec_max_rows=quant.MATVEC_MAX_M, x_hat=x_hat, rounds_to_nearest=False,
-                   edge_formats=("Q4_K", "Q8_0", "IQ2_XXS", "Q4_0", "Q5_0", "Q6_K", "IQ3_S", "MXFP4", "F16", "BF16",
-                                 "F32"), interpreted=True)
+    edge = ("Q4_K", "Q8_0", "IQ2_XXS", "Q4_0", "Q5_0", "Q6_K", "IQ3_S", "MXFP4", "F16", "BF16", "F32")
+    # the interpreter takes ~1 s per call: by default every family once (the edge formats plus the
+    # families they miss); every format with HANZO_CONFORMANCE_ALL=1 (the slow-marked test)
+    every = sorted(q for q in fmts if q != "NVFP4")
+    chosen = every if os.environ.get("HANZO_CONFORMANCE_ALL") else [q for q in every if q in edge + TRITON_MORE]
+    return Backend("triton-interp", run, tuple(chosen), matvec_max_rows=quant.MATVEC_MAX_M, x_hat=x_hat,
+                   rounds_to_nearest=False, edge_formats=edge, interpreted=True)
+
+
+TRITON_MORE = ("Q2_K", "IQ1_S", "IQ4_XS", "TQ2_0")
 
 
 def _vulkan_backend() -> Backend:
@@ -863,8 +869,18 @@ def test_vulkan_backend_runs_here():
 @pytest.mark.skipif(bool(ONLY), reason="the child process runs the interpreter cases themselves")
 def test_triton_interpreter_backend():
     """The Triton backend as a backend of this suite, in a child process with TRITON_INTERPRET=1."""
+    _triton_child({})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(ONLY), reason="the child process runs the interpreter cases themselves")
+def test_triton_interpreter_backend_every_format():
+    _triton_child({"HANZO_CONFORMANCE_ALL": "1"})
+
+
+def _triton_child(extra_env):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HANZO_CONFORMANCE": "triton-interp"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HANZO_CONFORMANCE": "triton-interp", **extra_env}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W",
                           "ignore::RuntimeWarning", __file__],
                          capture_output=True, text=True, timeout=900, env=env,
