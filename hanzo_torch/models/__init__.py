@@ -148,6 +148,7 @@ def _check_first_logits(model: nn.Module, path: str) -> None:
         if torch.compiler.is_compiling() or (logits.is_cuda and torch.cuda.is_current_stream_capturing()):
             return  # checked by the first eager forward
         if logits.numel():
+            logits = logits.cpu()  # the one sync; devices need no kernels for the checks below
             if not bool(torch.isfinite(logits).all()):
                 raise GGUFError(f"{path}: the model's first logits contain NaN or inf: its weights hold "
                                 "non-finite values or overflow the compute dtype")
