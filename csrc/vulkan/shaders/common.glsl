@@ -73,14 +73,14 @@ uint hz_float_to_bf16(float f) {
 }
 
 // dtype codes shared with csrc/vulkan/device.cpp (hz_dtype_code)
-#define HZ_DT_F32 0
-#define HZ_DT_F16 1
-#define HZ_DT_BF16 2
-#define HZ_DT_I64 3
-#define HZ_DT_I32 4
-#define HZ_DT_U8 5
-#define HZ_DT_I8 6
-#define HZ_DT_BOOL 7
-#define HZ_DT_I16 8
+#define HZ_DT_F32 0u
+#define HZ_DT_F16 1u
+#define HZ_DT_BF16 2u
+#define HZ_DT_I64 3u
+#define HZ_DT_I32 4u
+#define HZ_DT_U8 5u
+#define HZ_DT_I8 6u
+#define HZ_DT_BOOL 7u
+#define HZ_DT_I16 8u
 
 #endif  // HZ_COMMON_GLSL

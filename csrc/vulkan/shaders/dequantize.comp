@@ -30,9 +30,9 @@ void main() {
     if (k >= pc.K || r >= pc.n_rows) return;
     uint64_t src_row = uint64_t(r);
     if (pc.ids != 0ul) {
-        int64_t id = pc.ids_int64 != 0u ? int64_t(HzWords(pc.ids + uint64_t(r) * 8ul).v[0]) |
-                                              (int64_t(HzWords(pc.ids + uint64_t(r) * 8ul + 4ul).v[0]) << 32)
-                                        : int64_t(int(HzWords(pc.ids + uint64_t(r) * 4ul).v[0]));
+        int64_t id = pc.ids_int64 != 0u ? int64_t(U32Ptr(pc.ids + uint64_t(r) * 8ul).v[0]) |
+                                              (int64_t(U32Ptr(pc.ids + uint64_t(r) * 8ul + 4ul).v[0]) << 32)
+                                        : int64_t(int(U32Ptr(pc.ids + uint64_t(r) * 4ul).v[0]));
         if (id < 0l || id >= int64_t(pc.n_src)) {
             hz_store(pc.dst, pc.out_dtype, uint64_t(r) * pc.K + k, uintBitsToFloat(0x7FC00000u));
             return;

@@ -19,21 +19,14 @@
 #ifndef HZ_FORMATS_GLSL
 #define HZ_FORMATS_GLSL
 
-#extension GL_EXT_buffer_reference : require
-#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
-#extension GL_EXT_shader_8bit_storage : require
-#extension GL_EXT_shader_16bit_storage : require
+#include "common.glsl"  // extensions and the pointer types (U8Ptr, F32Ptr, ...)
 
 #include "ggml_blocks.glsl"
-
-layout(buffer_reference, std430, buffer_reference_align = 1) readonly buffer HzBytes { uint8_t v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 2) buffer HzHalfs { uint16_t v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer HzWords { uint v[]; };
 
 // ------------------------------------------------------------------------------------------------
 // byte readers (little-endian, as ggml stores blocks)
 
-uint hz_u8(uint64_t b, uint off) { return uint(HzBytes(b).v[off]); }
+uint hz_u8(uint64_t b, uint off) { return uint(U8Ptr(b).v[off]); }
 uint hz_u16(uint64_t b, uint off) { return hz_u8(b, off) | (hz_u8(b, off + 1u) << 8); }
 uint hz_u32(uint64_t b, uint off) { return hz_u16(b, off) | (hz_u16(b, off + 2u) << 16); }
 int hz_i8(uint64_t b, uint off) { return bitfieldExtract(int(hz_u8(b, off)), 0, 8); }
@@ -450,16 +443,12 @@ float hz_value_at(uint64_t row, uint k) { return hz_elem(row + uint64_t(k / HZ_Q
 #endif
 
 // ------------------------------------------------------------------------------------------------
-// activations and results: dtype codes 0 float32, 1 float16, 2 bfloat16 (HZ_DT_*)
-
-#define HZ_DT_F32 0u
-#define HZ_DT_F16 1u
-#define HZ_DT_BF16 2u
+// activations and results: dtype codes HZ_DT_F32, HZ_DT_F16, HZ_DT_BF16 (common.glsl)
 
 // element i of a float tensor of dtype dt at address base, as float32 (exact)
 float hz_load(uint64_t base, uint dt, uint64_t i) {
-    if (dt == HZ_DT_F32) return uintBitsToFloat(HzWords(base + i * 4ul).v[0]);
-    uint h = uint(HzHalfs(base + i * 2ul).v[0]);
+    if (dt == HZ_DT_F32) return uintBitsToFloat(U32Ptr(base + i * 4ul).v[0]);
+    uint h = uint(U16Ptr(base + i * 2ul).v[0]);
     return dt == HZ_DT_F16 ? hz_f16_bits(h) : uintBitsToFloat(h << 16);
 }
 
@@ -497,9 +486,9 @@ uint hz_bf16_rne(float f) {
 // store v as element i of a float tensor of dtype dt at address base (one rounding for f16/bf16)
 void hz_store(uint64_t base, uint dt, uint64_t i, float v) {
     if (dt == HZ_DT_F32) {
-        HzWords(base + i * 4ul).v[0] = floatBitsToUint(v);
+        U32Ptr(base + i * 4ul).v[0] = floatBitsToUint(v);
     } else {
-        HzHalfs(base + i * 2ul).v[0] = uint16_t(dt == HZ_DT_F16 ? hz_f16_rne(v) : hz_bf16_rne(v));
+        U16Ptr(base + i * 2ul).v[0] = uint16_t(dt == HZ_DT_F16 ? hz_f16_rne(v) : hz_bf16_rne(v));
     }
 }
 

@@ -1,28 +1,17 @@
 // Shared code of the fused-op shaders (rms_norm, add_rms_norm, qk_norm_rope, swiglu, kv_cache_write,
-// attention, moe_route): typed views of 64-bit buffer device addresses, element loads and stores
-// by a run-time dtype code, and float32 <-> float16/bfloat16 conversions that round to nearest
+// attention, moe_route): element loads and stores by a run-time dtype code, and float32 <-> float16/bfloat16 conversions that round to nearest
 // even in integer arithmetic (bit-identical to torch's Tensor.to on every device, whatever the
 // driver's own conversion or float16 arithmetic support; only 16-bit storage is needed).
 //
 // dtype codes (ops_fused.cpp passes them in push constants):
 //   FZ_F32 = 0, FZ_F16 = 1, FZ_BF16 = 2 (activations and caches), FZ_Q8_0 = 3 (caches only:
 //   rows of ggml block_q8_0, 34 bytes per 32 values: an f16 scale d, then 32 int8 codes q).
-#extension GL_EXT_buffer_reference : require
-#extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
-#extension GL_EXT_shader_16bit_storage : require
-#extension GL_EXT_shader_8bit_storage : require
+#include "common.glsl"  // extensions and the pointer types (U8Ptr, F32Ptr, ...)
 
 #define FZ_F32 0u
 #define FZ_F16 1u
 #define FZ_BF16 2u
 #define FZ_Q8_0 3u
-
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer FzF32 { float v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer FzU32 { uint v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 2) buffer FzU16 { uint16_t v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 1) buffer FzI8 { int8_t v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 8) buffer FzI64 { int64_t v[]; };
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer FzI32 { int v[]; };
 
 #define FZ_NEG_INF uintBitsToFloat(0xff800000u)
 
@@ -60,16 +49,16 @@ uint fz_float_to_bf16(float f) {
 
 // Element i of a float tensor of dtype dt (f32/f16/bf16) at address base.
 float fz_load(uint64_t base, uint dt, uint i) {
-    if (dt == FZ_F32) return FzF32(base).v[i];
-    const uint h = uint(FzU16(base).v[i]);
+    if (dt == FZ_F32) return F32Ptr(base).v[i];
+    const uint h = uint(U16Ptr(base).v[i]);
     return dt == FZ_F16 ? fz_half_to_float(h) : fz_bf16_to_float(h);
 }
 
 void fz_store(uint64_t base, uint dt, uint i, float v) {
     if (dt == FZ_F32) {
-        FzF32(base).v[i] = v;
+        F32Ptr(base).v[i] = v;
     } else {
-        FzU16(base).v[i] = uint16_t(dt == FZ_F16 ? fz_float_to_half(v) : fz_float_to_bf16(v));
+        U16Ptr(base).v[i] = uint16_t(dt == FZ_F16 ? fz_float_to_half(v) : fz_float_to_bf16(v));
     }
 }
 
@@ -87,13 +76,13 @@ uint fz_row_bytes(uint dt, uint D) { return dt == FZ_Q8_0 ? D / 32u * 34u : D * 
 float fz_load_cache(uint64_t row, uint dt, uint d) {
     if (dt != FZ_Q8_0) return fz_load(row, dt, d);
     const uint blk = d >> 5;
-    const float scale = fz_half_to_float(uint(FzU16(row).v[blk * 17u]));
-    return float(int(FzI8(row).v[blk * 34u + 2u + (d & 31u)])) * scale;
+    const float scale = fz_half_to_float(uint(U16Ptr(row).v[blk * 17u]));
+    return float(int(I8Ptr(row).v[blk * 34u + 2u + (d & 31u)])) * scale;
 }
 
 // Position of query row i: int64 (pos32 == 0) or int32 positions.
 int64_t fz_position(uint64_t pos, uint pos32, uint i) {
-    return pos32 != 0u ? int64_t(FzI32(pos).v[i]) : FzI64(pos).v[i];
+    return pos32 != 0u ? int64_t(I32Ptr(pos).v[i]) : I64Ptr(pos).v[i];
 }
 
 // Flat index of this workgroup in a grid of (x, y) workgroups laid out as ops_fused.cpp splits

@@ -52,11 +52,11 @@ void quantize_block(uint64_t src, uint64_t dst, uint blk) {
     }
     const float d = fz_div(amax, 127.0);
     const float id = d == 0.0 ? 0.0 : fz_div(1.0, d);
-    FzU16(dst).v[blk * 17u] = uint16_t(fz_float_to_half(d));
+    U16Ptr(dst).v[blk * 17u] = uint16_t(fz_float_to_half(d));
     for (uint j = 0u; j < 32u; ++j) {
         const float r = fz_roundf(fz_load(src, p.dt, blk * 32u + j) * id);
         const int q = isnan(r) || isinf(r) ? 0 : int(clamp(r, -128.0, 127.0));
-        FzI8(dst).v[blk * 34u + 2u + j] = int8_t(q);
+        I8Ptr(dst).v[blk * 34u + 2u + j] = int8_t(q);
     }
 }
 
@@ -75,9 +75,9 @@ void main() {
             for (uint blk = tid; blk < D / 32u; blk += FZ_WG) quantize_block(src, dst, blk);
         } else if (p.dt_c == p.dt) {  // same dtype: the bits as they are
             if (p.dt == FZ_F32) {
-                for (uint i = tid; i < D; i += FZ_WG) FzU32(dst).v[i] = FzU32(src).v[i];
+                for (uint i = tid; i < D; i += FZ_WG) U32Ptr(dst).v[i] = U32Ptr(src).v[i];
             } else {
-                for (uint i = tid; i < D; i += FZ_WG) FzU16(dst).v[i] = FzU16(src).v[i];
+                for (uint i = tid; i < D; i += FZ_WG) U16Ptr(dst).v[i] = U16Ptr(src).v[i];
             }
         } else {
             for (uint i = tid; i < D; i += FZ_WG) fz_store(dst, p.dt_c, i, fz_load(src, p.dt, i));

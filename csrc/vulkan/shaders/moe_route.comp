@@ -72,7 +72,7 @@ void main() {
         }
         if (rank < p.k) {
             top[rank] = prob[e];
-            FzI64(p.ids).v[t * p.k + rank] = int64_t(e);
+            I64Ptr(p.ids).v[t * p.k + rank] = int64_t(e);
         }
     }
     barrier();
@@ -82,5 +82,5 @@ void main() {
         red[0] = tot;
     }
     barrier();
-    for (uint j = tid; j < p.k; j += FZ_WG) FzF32(p.w).v[t * p.k + j] = p.normalize != 0u ? top[j] / red[0] : top[j];
+    for (uint j = tid; j < p.k; j += FZ_WG) F32Ptr(p.w).v[t * p.k + j] = p.normalize != 0u ? top[j] / red[0] : top[j];
 }

@@ -37,9 +37,9 @@ void main() {
     uint p = pc.p0 + gl_WorkGroupID.z;
     uint t = gl_LocalInvocationID.x;
     if (n >= pc.N || p >= pc.n_pairs) return;  // uniform over the workgroup
-    int64_t e = pc.ids_int64 != 0u ? int64_t(HzWords(pc.ids + uint64_t(p) * 8ul).v[0]) |
-                                         (int64_t(HzWords(pc.ids + uint64_t(p) * 8ul + 4ul).v[0]) << 32)
-                                   : int64_t(int(HzWords(pc.ids + uint64_t(p) * 4ul).v[0]));
+    int64_t e = pc.ids_int64 != 0u ? int64_t(U32Ptr(pc.ids + uint64_t(p) * 8ul).v[0]) |
+                                         (int64_t(U32Ptr(pc.ids + uint64_t(p) * 8ul + 4ul).v[0]) << 32)
+                                   : int64_t(int(U32Ptr(pc.ids + uint64_t(p) * 4ul).v[0]));
     if (e < 0l || e >= int64_t(pc.E)) {
         if (t == 0u) hz_store(pc.y, pc.y_dtype, uint64_t(p) * pc.N + n, uintBitsToFloat(0x7FC00000u));
         return;

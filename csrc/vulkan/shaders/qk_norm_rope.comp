@@ -68,7 +68,7 @@ void main() {
             x2 = (x2 * inv) * fz_load(w, p.dt_w, i + half_d);
         }
         // rounded to float32 as the reference's angle (no fusing into the range reduction's fma)
-        precise float angle = position * FzF32(p.inv_freq).v[i];
+        precise float angle = position * F32Ptr(p.inv_freq).v[i];
         float s, c;
         fz_sincos(angle, s, c);
         fz_store(dst, p.dt, i, x1 * c - x2 * s);
