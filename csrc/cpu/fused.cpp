@@ -47,7 +47,7 @@ namespace {
 
 constexpr int64_t kParallelWork = 1 << 16;  // floats touched below which one thread does the op
 // Decode attention: work (keys x D x (2G + 1)) below which one thread does it, ~0.5 M multiply-adds
-// (tens of microseconds; a context of ~300 for 12 query heads on 2 KV heads of 128): below it a
+// (tens of microseconds; a context of ~160 for 12 query heads on 2 KV heads of 128): below it a
 // fork-join per layer saves little on an idle machine and risks a wait on a busy one.
 constexpr int64_t kAttnParallelWork = 1 << 19;
 constexpr int64_t kAttnTileMinT = 8;        // attention: query tokens from which the GEMM tiles run
