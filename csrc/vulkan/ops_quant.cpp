@@ -203,8 +203,8 @@ at::Tensor run_quantize_q8_1(const at::Tensor& x2) {
 
 // y [M, N] (y_dtype, row stride N) = x [M, K] (contiguous) @ W^T for the packed w [N, rb]. xq: the
 // q8_1 blocks of x when the caller has them (the int8 path; quantized here when undefined).
-void run_mul_mat(const at::Tensor& x2, const at::Tensor& w, const Fmt& f, c10::string_view qtype, const at::Tensor& y,
-                 at::Tensor xq = at::Tensor()) {
+void run_mul_mat(const at::Tensor& x2, const at::Tensor& w, const Fmt& f, c10::string_view qtype,
+                 const at::Tensor& y, at::Tensor xq = at::Tensor()) {
   const int64_t M = x2.size(0), K = x2.size(1), N = w.size(0);
   TORCH_CHECK(N <= UINT32_MAX && K <= UINT32_MAX && w.size(1) <= UINT32_MAX, "hanzo vulkan mul_mat: weight too large");
   MatPush p{address(w), address(x2), address(y), f.table_address(), (uint32_t)N, (uint32_t)K, 0, (uint32_t)w.size(1), (uint32_t)K,

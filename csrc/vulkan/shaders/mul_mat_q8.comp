@@ -75,7 +75,8 @@ void main() {
         if (lid < BM * HZ_Q8_NG) {
             uint r = lid % BM, g = lid / BM;
             int sx = 0;
-            for (uint i = g * (8u / HZ_Q8_NG); i < (g + 1u) * (8u / HZ_Q8_NG); ++i) sx += hz_dot4(0x01010101u, xq[i][r]);
+            for (uint i = g * (8u / HZ_Q8_NG); i < (g + 1u) * (8u / HZ_Q8_NG); ++i)
+                sx += hz_dot4(0x01010101u, xq[i][r]);
             xsum[g][r] = sx;
         }
         barrier();
