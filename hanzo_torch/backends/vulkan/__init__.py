@@ -391,7 +391,9 @@ def profile() -> dict:
 
 def memory_stats() -> dict:
     """``allocated_bytes`` (live tensors), ``reserved_bytes`` (Vulkan memory held, cache included),
-    ``peak_allocated_bytes``, ``allocations``, ``device_allocations``."""
+    ``peak_allocated_bytes``, ``allocations``, ``device_allocations``, ``graph_pool_bytes`` (held
+    by the private pools of live :class:`~hanzo_torch.backends.vulkan.device_module.VulkanGraph`
+    objects, their live tensors included)."""
     return dict(_need().memory_stats())
 
 
