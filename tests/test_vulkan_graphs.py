@@ -18,23 +18,26 @@ import torch
 
 import hanzo_torch
 from hanzo_torch.backends import vulkan
-from tests.gguf_builders import tiny_spec, tokenizer_metadata, write_tiny_gguf
-from tests.test_cuda_graphs import SPECS, VOCAB, replay_vs_eager
+from tests.gguf_builders import tiny_spec, write_tiny_gguf
+from tests.qwen_vocab import toy_tokenizer_metadata
+from tests.test_cuda_graphs import replay_vs_eager
 
 if not vulkan.available():
     pytest.skip(f"vulkan backend unavailable: {vulkan.reason()}", allow_module_level=True)
 
 N_TOKENS = 64  # decode steps compared per architecture
 ARCHS = ("qwen3", "qwen3moe")
+# Narrow packed models (hidden 64, so 32-element block formats) with the 263-token toy vocabulary:
+# every token runs two forwards on lavapipe, whose mat-vecs are slow on a busy machine.
+SHAPE = dict(hidden=64, n_head=2, n_head_kv=1, head_dim=32, ffn=128, expert_ffn=128,
+             qtypes=dict(embd="Q8_0", output="Q8_0", attn="Q8_0", ffn="Q4_0", ffn_down="Q8_0"))
+SPECS = {"qwen3": dict(tied=False, **SHAPE), "qwen3moe": dict(n_expert=4, n_expert_used=2, **SHAPE)}
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("vk_graph_models")
-    meta = tokenizer_metadata(full=False)
-    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"][:VOCAB]
-    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id"):
-        meta[key] = VOCAB - 1
+    meta = toy_tokenizer_metadata()
     return {a: write_tiny_gguf(root / f"{a}.gguf", tiny_spec(a, **SPECS[a]), meta) for a in ARCHS}
 
 
@@ -172,26 +175,26 @@ def test_replay_equals_eager(files, arch):
 
 
 def test_generate_replays_with_eager_tokens_and_env_toggle(files, monkeypatch):
-    model = hanzo_torch.load(files["qwen3moe"], device="vulkan", max_context=96)
-    a = model.generate([1, 2, 3, 4], 64, temperature=0, ignore_eos=True, cuda_graph=False)
-    b = model.generate([1, 2, 3, 4], 64, temperature=0, ignore_eos=True)
-    c = model.generate([1, 2, 3, 4], 64, temperature=0, ignore_eos=True)  # the cached graph
+    model = hanzo_torch.load(files["qwen3moe"], device="vulkan", max_context=32)
+    a = model.generate([1, 2, 3, 4], 12, temperature=0, ignore_eos=True, cuda_graph=False)
+    b = model.generate([1, 2, 3, 4], 12, temperature=0, ignore_eos=True)
+    c = model.generate([1, 2, 3, 4], 12, temperature=0, ignore_eos=True)  # the cached graph
     assert not a.stats.cuda_graph and b.stats.cuda_graph and c.stats.cuda_graph
     assert a.token_ids == b.token_ids == c.token_ids
     assert len(model._hanzo_decode_graphs) == 1
     monkeypatch.setenv("HANZO_VK_GRAPH", "0")
-    d = model.generate([1, 2, 3, 4], 8, temperature=0, ignore_eos=True)
-    assert not d.stats.cuda_graph and d.token_ids == a.token_ids[:8]
+    d = model.generate([1, 2, 3, 4], 4, temperature=0, ignore_eos=True)
+    assert not d.stats.cuda_graph and d.token_ids == a.token_ids[:4]
 
 
 def test_new_kv_cache_invalidates_the_graph(files):
-    model = hanzo_torch.load(files["qwen3"], device="vulkan", max_context=48)
-    ref = model.generate([5, 6, 7], 12, temperature=0, ignore_eos=True, cuda_graph=False).token_ids
-    a = model.generate([5, 6, 7], 12, temperature=0, ignore_eos=True)
+    model = hanzo_torch.load(files["qwen3"], device="vulkan", max_context=16)
+    ref = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True, cuda_graph=False).token_ids
+    a = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True)
     graphs = model._hanzo_decode_graphs
     (old,) = graphs.values()
     model.setup_cache(1)  # new KV caches: the captured graph writes the old ones
-    b = model.generate([5, 6, 7], 12, temperature=0, ignore_eos=True)
+    b = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True)
     assert a.stats.cuda_graph and b.stats.cuda_graph and a.token_ids == b.token_ids == ref
     assert len(graphs) == 2 and any(v is not old for v in graphs.values())
     hanzo_torch.cuda_graphs.clear_graphs(model)
