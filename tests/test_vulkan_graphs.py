@@ -26,12 +26,13 @@ if not vulkan.available():
     pytest.skip(f"vulkan backend unavailable: {vulkan.reason()}", allow_module_level=True)
 
 N_TOKENS = 64  # decode steps compared per architecture
-ARCHS = ("qwen3", "qwen3moe")
+ARCHS = ("qwen3", "qwen3moe", "qwen2")
 # Narrow packed models (hidden 64, so 32-element block formats) with the 263-token toy vocabulary:
 # every token runs two forwards on lavapipe, whose mat-vecs are slow on a busy machine.
 SHAPE = dict(hidden=64, n_head=2, n_head_kv=1, head_dim=32, ffn=128, expert_ffn=128,
              qtypes=dict(embd="Q8_0", output="Q8_0", attn="Q8_0", ffn="Q4_0", ffn_down="Q8_0"))
-SPECS = {"qwen3": dict(tied=False, **SHAPE), "qwen3moe": dict(n_expert=4, n_expert_used=2, **SHAPE)}
+SPECS = {"qwen3": dict(tied=False, **SHAPE), "qwen3moe": dict(n_expert=4, n_expert_used=2, **SHAPE),
+         "qwen2": dict(SHAPE)}  # head_dim = hidden // n_head, as Qwen2 files imply
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +169,7 @@ def test_profile_counts_a_replay_as_its_recorded_commands():
 # ---------------------------------------------------------------------------------------------- models
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_replay_equals_eager(files, arch):
     worst, report = replay_vs_eager(files[arch], N_TOKENS, device="vulkan")
     assert worst == 0.0, f"{arch}: replay differs from eager by {worst:.3e}\n{report}"
