@@ -649,8 +649,6 @@ def test_moe_route(backend):
 
 
 KNOWN_BUGS = {
-    ("test_moe_route_nan_row", "triton-interp"): "the Triton moe_route kernel returns expert id E "
-                                                 "(out of range) for a row of NaN logits",
     ("test_quantize_q8_1", "triton-interp"): "the Triton quantize_q8_1 kernel writes other d/s bytes than "
                                              "the reference for blocks whose 1/d overflows (a subnormal amax) "
                                              "and for blocks with inf or NaN",
