@@ -649,9 +649,6 @@ def test_moe_route(backend):
 
 
 KNOWN_BUGS = {
-    ("test_quantize_q8_1", "triton-interp"): "the Triton quantize_q8_1 kernel writes other d/s bytes than "
-                                             "the reference for blocks whose 1/d overflows (a subnormal amax) "
-                                             "and for blocks with inf or NaN",
 }
 """Known disagreements with the reference, as strict xfails: each fails the suite once fixed."""
 
