@@ -951,11 +951,7 @@ def _bad_calls():
     ]
 
 
-KNOWN_ERROR_MISMATCHES = {
-    # the op's shared argument check (hanzo_torch.ops.quant.check_args, which the Triton wrapper runs)
-    # reports this one through torch._check, a RuntimeError with the same message
-    ("triton-interp", "dequantize", "bytes"): RuntimeError,
-}
+KNOWN_ERROR_MISMATCHES: dict = {}
 """(backend, op, message pattern) -> the exception type a backend raises instead of the
 reference's, for a clear message of the wrong type. Strict: an entry that no longer
 mismatches fails the test, so it is removed once the backend is fixed."""
