@@ -700,8 +700,8 @@ def _quantize_q8_1_kernel(x, out, n_blocks, BB: tl.constexpr):
     s_h = (s * d_s).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     d_h = tl.where(tiny, 0, d_h)
     s_h = tl.where(tiny, tl.where(s < 0.0, 0x8000, 0), s_h)
-    d_h = tl.where(is_inf, 0x7C00, tl.where(is_nan, 0x7E00, tl.where(zero, 0, d_h)))
-    s_h = tl.where(is_inf, 0xFE00, tl.where(is_nan, 0x7E00, tl.where(zero, 0, s_h)))
+    d_h = tl.where(is_inf, 0x7C00, tl.where(is_nan, 0x7E00, d_h))  # a zero block is tiny: q = s = 0
+    s_h = tl.where(is_inf, 0xFE00, tl.where(is_nan, 0x7E00, s_h))
     blk = out + r * n_blocks * 36 + b * 36
     _u16_bytes(blk, d_h, bm)
     _u16_bytes(blk + 2, s_h, bm)
@@ -711,9 +711,14 @@ def _quantize_q8_1_kernel(x, out, n_blocks, BB: tl.constexpr):
 def quantize_q8_1(x: torch.Tensor) -> torch.Tensor:
     """Triton ``hanzo::quantize_q8_1``: ``x [..., K]`` (K % 32 == 0) -> ``uint8 [..., K/32*36]``.
 
-    ggml ``block_q8_1`` layout (fp16 d, fp16 d*sum(q), 32 int8 q), same arithmetic as ggml's
-    reference quantizer (d = amax/127, q = roundf(x/d)). Meant to run once per op on the
-    activation that several int8-dot mat-vecs share (DESIGN: never once per weight block).
+    ggml ``block_q8_1`` layout (fp16 d, fp16 d*sum(q), 32 int8 q), byte-identical to the
+    reference :func:`hanzo_torch.formats.q8_1.quantize_q8_1` (ggml's ``quantize_row_q8_1_ref``:
+    d = amax/127, q = roundf(x/d)), tiny, subnormal and non-finite blocks included. Meant to run
+    once per op on the activation that several int8-dot mat-vecs share (DESIGN: never once per
+    weight block).
+
+    Raises:
+        ValueError: ``x`` is not float32/bfloat16/float16, is 0-dimensional, or its last dim is not a multiple of 32.
     """
     _check_float(x, "quantize_q8_1")
     if x.dim() == 0 or x.shape[-1] % 32:
