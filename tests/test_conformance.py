@@ -649,11 +649,6 @@ def test_moe_route(backend):
 
 
 KNOWN_BUGS = {
-    ("test_moe_route_nan_row", "triton-interp"): "the Triton moe_route kernel returns expert id E "
-                                                 "(out of range) for a row of NaN logits",
-    ("test_quantize_q8_1", "triton-interp"): "the Triton quantize_q8_1 kernel writes other d/s bytes than "
-                                             "the reference for blocks whose 1/d overflows (a subnormal amax) "
-                                             "and for blocks with inf or NaN",
 }
 """Known disagreements with the reference, as strict xfails: each fails the suite once fixed."""
 
@@ -956,11 +951,7 @@ def _bad_calls():
     ]
 
 
-KNOWN_ERROR_MISMATCHES = {
-    # the op's shared argument check (hanzo_torch.ops.quant.check_args, which the Triton wrapper runs)
-    # reports this one through torch._check, a RuntimeError with the same message
-    ("triton-interp", "dequantize", "bytes"): RuntimeError,
-}
+KNOWN_ERROR_MISMATCHES: dict = {}
 """(backend, op, message pattern) -> the exception type a backend raises instead of the
 reference's, for a clear message of the wrong type. Strict: an entry that no longer
 mismatches fails the test, so it is removed once the backend is fixed."""

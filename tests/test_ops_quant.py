@@ -361,6 +361,8 @@ def test_fake_kernels_check_shapes():
             torch.ops.hanzo.mul_mat_id(torch.empty(3, 1, 64), w3, ids, "Q8_0")
         assert torch.ops.hanzo.get_rows(w, ids, "Q8_0", torch.bfloat16).shape == (3, 2, 64)
         assert torch.ops.hanzo.dequantize(w, "Q8_0", [8, 64], torch.float16).dtype == torch.float16
+        with pytest.raises(ValueError, match="needs 204 bytes"):
+            torch.ops.hanzo.dequantize(w, "Q8_0", [3, 64], torch.float32)
         assert torch.ops.hanzo.quantize_q8_1(torch.empty(3, 64)).shape == (3, 72)
         with pytest.raises(ValueError, match="multiple of 32"):
             torch.ops.hanzo.quantize_q8_1(torch.empty(3, 40))

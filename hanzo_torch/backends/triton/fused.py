@@ -199,7 +199,11 @@ def _moe_route_kernel(logits, w_out, id_out, E, K: tl.constexpr, KP: tl.constexp
     p = tl.exp(l - tl.max(l, axis=0))
     p = tl.where(m, p, 0.0)
     p = p / tl.sum(p, axis=0)
-    cand = tl.where(m, p, -1.0)
+    # A NaN anywhere (a NaN logit, or +inf - +inf) makes the reference's softmax row all NaN and its
+    # stable sort keep index order: select on equal keys (ties to the lower id), store NaN weights.
+    # Decided on a flag, not on NaN compares, as max/min may drop NaNs on a device.
+    nan_row = tl.max(tl.where(m & (p != p), 1, 0), axis=0) > 0
+    cand = tl.where(m, tl.where(nan_row, 0.0, p), -1.0)
     slot = tl.arange(0, KP)
     wv = tl.zeros((KP,), dtype=tl.float32)
     iv = tl.zeros((KP,), dtype=tl.int64)
@@ -209,6 +213,7 @@ def _moe_route_kernel(logits, w_out, id_out, E, K: tl.constexpr, KP: tl.constexp
         wv = tl.where(slot == j, best, wv)
         iv = tl.where(slot == j, idx.to(tl.int64), iv)
         cand = tl.where(e == idx, -2.0, cand)
+    wv = tl.where(nan_row, float("nan"), wv)
     if NORMALIZE:
         wv = wv / tl.sum(tl.where(slot < K, wv, 0.0), axis=0)
     tl.store(w_out + t * K + slot, wv, mask=slot < K)

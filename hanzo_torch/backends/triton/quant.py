@@ -627,6 +627,8 @@ def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) 
 # ---------------------------------------------------------------------------------------------
 # quantize_q8_1
 
+_TWO_POW_M49 = tl.constexpr(2.0 ** -49)
+
 @triton.jit
 def _round_half_away(v):
     # C roundf (half away from zero) without the double rounding of floor(|v| + 0.5).
@@ -637,37 +639,86 @@ def _round_half_away(v):
 
 
 @triton.jit
-def _f16_bytes(out, v, m):
-    h = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+def _u16_bytes(out, h, m):
     tl.store(out, (h & 0xFF).to(tl.uint8), mask=m)
     tl.store(out + 1, ((h >> 8) & 0xFF).to(tl.uint8), mask=m)
 
 
 @triton.jit
+def _scale_up_100(bits):
+    # x * 2^100 from the int32 bits of a float x with |x| < 2^-100, exact with no subnormal
+    # operand: a normal x gets 100 added to its exponent, a subnormal one is its mantissa * 2^-49.
+    mant = bits & 0x7FFFFF
+    sub = mant.to(tl.float32) * _TWO_POW_M49
+    sub = tl.where(bits < 0, -sub, sub)
+    normal = ((bits >> 23) & 0xFF) != 0
+    return tl.where(normal, (bits + tl.where(normal, 100 << 23, 0)).to(tl.float32, bitcast=True), sub)
+
+
+@triton.jit
 def _quantize_q8_1_kernel(x, out, n_blocks, BB: tl.constexpr):
-    # ggml block_q8_1: d = amax/127 (fp16), s = d * sum(q) (fp16), q = roundf(x / d) (int8 x 32)
+    # ggml block_q8_1 (quantize_row_q8_1_ref in float32): d = amax/127, id = d ? 1/d : 0,
+    # q = roundf(x * id) (0 where not finite, clamped to int8), fields fp16(d), fp16(float(sum(q)) * d).
+    # Bit-exact with the reference on a device that flushes subnormals or approximates division:
+    # both divisions are div_rn; a block with amax < 2^-100 is worked on scaled by 2^100 (exact,
+    # through the bits), its possibly subnormal d rounded on the 2^-149 grid in integers, so no
+    # float operand or result that matters is subnormal. Such a block stores d = +0 and s = +-0
+    # (the sign of sum(q)); one whose d <= 2^-128 (1/d overflows to inf) stores all zeros.
+    # Non-finite blocks store the reference's bytes as the CPU computes them: amax inf -> d = inf,
+    # q = 0, s = fp16(0 * inf) = the x86 default NaN 0xFE00; a NaN -> d = s = 0x7E00.
     r = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BB + tl.arange(0, BB)
     bm = b < n_blocks
     j = tl.arange(0, 32)
     v = tl.load(x + r * n_blocks * 32 + b[:, None] * 32 + j[None, :], mask=bm[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=1)
-    d = amax / 127.0
-    inv = tl.where(d == 0.0, 0.0, 1.0 / d)
-    q = _round_half_away(v * inv[:, None])
+    bits = v.to(tl.int32, bitcast=True)
+    amax_b = tl.max(bits & 0x7FFFFFFF, axis=1)       # integer max: NaN above inf, no float compare
+    is_nan = amax_b > 0x7F800000
+    is_inf = amax_b == 0x7F800000
+    tiny = amax_b < (27 << 23)                       # amax < 2^-100
+    # amax = M * 2^-149 in a tiny block; d is subnormal when M < 127 * 2^23, then d = D * 2^-149
+    # with D = M / 127 rounded to nearest (127 is odd: no ties)
+    e_a = (amax_b >> 23) & 0xFF
+    mant_a = (amax_b & 0x7FFFFF).to(tl.int64)
+    shift = tl.minimum(tl.maximum(e_a - 1, 0), 40).to(tl.int64)
+    M = tl.where(e_a == 0, mant_a, (mant_a | 0x800000) << shift)
+    sub_d = tiny & (M < 127 * 0x800000)
+    D = (M + 63) // 127
+    zero = sub_d & (D <= (1 << 21))                  # d <= 2^-128 (d = 0 included): 1/d is inf or unused
+    special = is_nan | is_inf | zero
+    amax_s = tl.where(tiny, _scale_up_100(tl.where(tiny, amax_b, 0)), amax_b.to(tl.float32, bitcast=True))
+    amax_s = tl.where(special, 1.0, amax_s)
+    d_s = tl.where(sub_d, D.to(tl.float32) * _TWO_POW_M49, tl.math.div_rn(amax_s, 127.0))
+    id_s = tl.math.div_rn(tl.full((BB,), 1.0, tl.float32), tl.where(d_s == 0.0, 1.0, d_s))
+    xs = tl.where(tiny[:, None], _scale_up_100(tl.where(tiny[:, None], bits, 0)), v)
+    xs = tl.where(special[:, None], 0.0, xs)
+    q = _round_half_away(xs * id_s[:, None])
+    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+    q = tl.where(special[:, None], 0.0, q)
     s = tl.sum(q, axis=1)
+    d_h = d_s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    s_h = (s * d_s).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    d_h = tl.where(tiny, 0, d_h)
+    s_h = tl.where(tiny, tl.where(s < 0.0, 0x8000, 0), s_h)
+    d_h = tl.where(is_inf, 0x7C00, tl.where(is_nan, 0x7E00, d_h))  # a zero block is tiny: q = s = 0
+    s_h = tl.where(is_inf, 0xFE00, tl.where(is_nan, 0x7E00, s_h))
     blk = out + r * n_blocks * 36 + b * 36
-    _f16_bytes(blk, d, bm)
-    _f16_bytes(blk + 2, s * d, bm)
+    _u16_bytes(blk, d_h, bm)
+    _u16_bytes(blk + 2, s_h, bm)
     tl.store(blk[:, None] + 4 + j[None, :], q.to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True), mask=bm[:, None])
 
 
 def quantize_q8_1(x: torch.Tensor) -> torch.Tensor:
     """Triton ``hanzo::quantize_q8_1``: ``x [..., K]`` (K % 32 == 0) -> ``uint8 [..., K/32*36]``.
 
-    ggml ``block_q8_1`` layout (fp16 d, fp16 d*sum(q), 32 int8 q), same arithmetic as ggml's
-    reference quantizer (d = amax/127, q = roundf(x/d)). Meant to run once per op on the
-    activation that several int8-dot mat-vecs share (DESIGN: never once per weight block).
+    ggml ``block_q8_1`` layout (fp16 d, fp16 d*sum(q), 32 int8 q), byte-identical to the
+    reference :func:`hanzo_torch.formats.q8_1.quantize_q8_1` (ggml's ``quantize_row_q8_1_ref``:
+    d = amax/127, q = roundf(x/d)), tiny, subnormal and non-finite blocks included. Meant to run
+    once per op on the activation that several int8-dot mat-vecs share (DESIGN: never once per
+    weight block).
+
+    Raises:
+        ValueError: ``x`` is not float32/bfloat16/float16, is 0-dimensional, or its last dim is not a multiple of 32.
     """
     _check_float(x, "quantize_q8_1")
     if x.dim() == 0 or x.shape[-1] % 32:
