@@ -126,6 +126,20 @@ def test_attention_shapes(Hq, Hk, D):
         _close(got, ref.attention(q, kc, vc, pos, D ** -0.5, "eager"), torch.float32, f"Hq={Hq} Hk={Hk} D={D} T={T}")
 
 
+@pytest.mark.parametrize("Hq,Hk,D", [(16, 1, 128), (8, 1, 256), (12, 2, 128), (3, 3, 96)])
+def test_attention_prefill_tiles(Hq, Hk, D):
+    """Prompts of 8 tokens or more take the tiled kernel (blocks of query tokens sharing each key
+    tile): a prompt continuing at position 10, two sequences of which one starts later, the last
+    block ragged; a position >= S sees the whole cache, a negative one nothing."""
+    T, S = 21, 40
+    pos = torch.stack([torch.arange(10, 10 + T), torch.arange(-3, T - 3)])
+    pos[1, -1] = S + 7
+    got, (q, kc, vc) = _attention_case(2, T, Hq, Hk, D, S, torch.float32, torch.float32, pos, seed=D + 1)
+    want = ref.attention(q, kc, vc, pos.clamp(0, S - 1), D ** -0.5, "eager")
+    want[1, :3] = 0.0  # negative positions see no key
+    _close(got, want, torch.float32, f"Hq={Hq} Hk={Hk} D={D}")
+
+
 def test_attention_positions_outside_the_cache():
     """On the device a position >= S sees the whole cache and a negative one nothing (zeros)."""
     B, Hq, Hk, D, S = 2, 4, 2, 32, 16

@@ -122,6 +122,28 @@ def test_mul_mat_id_layouts_and_bad_ids():
     assert got[:, 1].isnan().all() and not got[:, 0].isnan().any()
 
 
+def test_mul_mat_id_grouped_by_expert():
+    """From 16 (token, slot) pairs on, the pairs are sorted by expert on the device and each
+    weight run is read once per expert of a chunk: the same bits as one pair at a time (fewer
+    pairs), chunks holding several experts, an expert that no token chose, a bad id (NaN)."""
+    E, N, K, T, k = 5, 12, 256, 23, 2
+    w = random_packed("Q4_K", (E, N, K), seed=18)
+    wd = w.to(DEV)
+    ids = torch.randint(0, E - 1, (T, k), generator=_g(19))  # expert E - 1 unused
+    ids[4, 1] = E
+    for dtype in (torch.int64, torch.int32):
+        for x in (torch.randn(T, K, generator=_g(20)), torch.randn(T, k, K, generator=_g(21))):
+            xd, idd = x.to(DEV), ids.to(dtype).to(DEV)
+            got = torch.ops.hanzo.mul_mat_id(xd, wd, idd, "Q4_K").cpu()
+            # 7 tokens x 2 slots = 14 pairs: one pair per workgroup
+            one = torch.cat([torch.ops.hanzo.mul_mat_id(xd[t:t + 7], wd, idd[t:t + 7], "Q4_K").cpu()
+                             for t in range(0, T, 7)])
+            assert got[4, 1].isnan().all() and not got[:4].isnan().any() and not got[5:].isnan().any()
+            assert torch.equal(got.nan_to_num(), one.nan_to_num()), (dtype, x.dim())
+            ref = torch.ops.hanzo_ref.mul_mat_id(x, w, ids.clamp(max=E - 1), "Q4_K")
+            assert (got[5:] - ref[5:]).abs().max() < 1e-3 * ref.abs().max()
+
+
 def test_swiglu_mul_mat_mixed_formats():
     K, F = 256, 20
     wg, wu = random_packed("Q4_K", (F, K), seed=15), random_packed("Q6_K", (F, K), seed=16)

@@ -321,6 +321,21 @@ at::Tensor attention_counters(int64_t n, const at::Device& device) {
 using AttnRefSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                               c10::string_view);
 
+// attention_prefill.comp: blocks of BQ query tokens of one KV head (R = BQ * G rows <= 64 and
+// R * D <= 4096 floats of accumulators), key/value tiles of 1024 floats each (D <= 1024), 16 keys
+// at most. Taken from kAttnPrefillTokens query tokens per sequence on, where decode's key split
+// is not needed to keep the device busy.
+struct AttnPrefillPush {
+    uint64_t q, kc, vc, out, pos;
+    uint32_t B, T, S, Hq, Hk, D;
+    uint32_t dt, dt_c, pos32, BQ;
+    float scale;
+};
+constexpr int64_t kAttnPrefillTokens = 8;
+constexpr int64_t kAttnPrefillRows = 64, kAttnPrefillAcc = 4096, kAttnPrefillKv = 1024;
+// acc [4096], k and v tiles [1024] each, probabilities [64 * 16], m, l, correction, n [64], nmax
+constexpr uint32_t kAttnPrefillSharedBytes = 4 * (4096 + 2 * 1024 + 64 * 16 + 4 * 64 + 1);
+
 at::Tensor attention_vk(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos_in,
                         double scale, c10::string_view impl) {
     uint32_t dt = 0, dt_c = 0, dt_vc = 0, pos32 = 0;
@@ -342,6 +357,17 @@ at::Tensor attention_vk(const at::Tensor& q_in, const at::Tensor& kc, const at::
     const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), S = kc.size(1), Hk = kc.size(2);
     const int64_t items = B * T * Hk;
     if (items == 0 || D == 0) return out;
+    const int64_t G = Hq / Hk;
+    if (T >= kAttnPrefillTokens && D <= kAttnPrefillKv && G * D <= kAttnPrefillAcc && G <= kAttnPrefillRows &&
+        hz::vk::features().shared_memory_bytes >= kAttnPrefillSharedBytes) {
+        const int64_t BQ = std::min({T, kAttnPrefillRows / G, kAttnPrefillAcc / (G * D)});
+        AttnPrefillPush pc{addr(q), addr(kc), addr(vc), addr(out), addr(pos), static_cast<uint32_t>(B),
+                           static_cast<uint32_t>(T), static_cast<uint32_t>(S), static_cast<uint32_t>(Hq),
+                           static_cast<uint32_t>(Hk), static_cast<uint32_t>(D), dt, dt_c, pos32,
+                           static_cast<uint32_t>(BQ), static_cast<float>(scale)};
+        dispatch_groups("attention_prefill", &pc, sizeof(pc), B * ((T + BQ - 1) / BQ) * Hk);
+        return out;
+    }
     // Few (b, t, kv head) items (decode): split the keys so that a long cache is read by many
     // workgroups. The split count follows S, not the positions (which stay on the device).
     const int64_t chunks = (S + kAttnChunk - 1) / kAttnChunk;
@@ -354,7 +380,6 @@ at::Tensor attention_vk(const at::Tensor& q_in, const at::Tensor& kc, const at::
                 static_cast<float>(scale)};
     at::Tensor part;
     if (nsplit > 1) {
-        const int64_t G = Hq / Hk;
         part = at::empty({items * nsplit * G * (D + 2)}, q.options().dtype(at::kFloat));
         pc.part = addr(part);
         pc.counter = addr(attention_counters(items, q.device()));

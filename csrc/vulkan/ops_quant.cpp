@@ -13,7 +13,10 @@
 //
 // Shaders (csrc/vulkan/shaders, one SPIR-V per format: "<shader>.<FORMAT>"): dequantize (also
 // get_rows, rows by id), mul_mat_vec (up to kMatVecRows activation rows), mul_mat (tiled GEMM),
-// mul_mat_id (one workgroup per output value of a (token, slot) pair), and swiglu_mul_mat (the
+// mul_mat_id (decode: one workgroup per output value of a (token, slot) pair; from
+// kIdGroupedPairs pairs on, the pairs sorted by expert on the device by mul_mat_id_sort, then one
+// workgroup per output column and chunk of sorted pairs, each weight run read once per expert of
+// the chunk), and swiglu_mul_mat (the
 // SwiGLU epilogue after the two projections). Ids are read on the device, never on the host: an
 // id out of range gives NaN in its output row (the ops stay asynchronous).
 //
@@ -269,9 +272,18 @@ at::Tensor mul_mat_vk(const at::Tensor& x, const at::Tensor& w, c10::string_view
   return rows_to(y, x, N);
 }
 
+// Push constants of mul_mat_id_sort.comp.
+struct SortPush {
+  uint64_t ids, order, expert;
+  uint32_t n_pairs, E, ids_int64;
+};
+constexpr int64_t kIdGroupedPairs = 16;  // (token, slot) pairs from which mul_mat_id groups them by expert
+constexpr int64_t kIdChunk = 8;          // HZ_CHUNK of mul_mat_id.comp: sorted pairs per workgroup
+constexpr int64_t kIdMaxExperts = 4096;  // MAX_E of mul_mat_id_sort.comp
+
 // Push constants of mul_mat_id.comp.
 struct IdPush {
-  uint64_t w, x, y, ids, table;
+  uint64_t w, x, y, ids, table, order, expert;
   uint32_t N, K, E, row_bytes, n_pairs, n_slots, p0, x_per_slot, x_dtype, y_dtype, ids_int64;
 };
 
@@ -290,13 +302,28 @@ at::Tensor mul_mat_id_vk(const at::Tensor& x, const at::Tensor& w, const at::Ten
   if (T * k == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
   const at::Tensor xc = x.contiguous(), wc = w.contiguous(), idc = ids.contiguous();
-  IdPush p{address(wc), address(xc), address(out), address(idc), f->table_address(), (uint32_t)N, (uint32_t)K, (uint32_t)E,
-           (uint32_t)w.size(2), (uint32_t)(T * k), (uint32_t)k, 0, (uint32_t)(x.dim() == 3 ? 1 : 0),
+  IdPush p{address(wc), address(xc), address(out), address(idc), f->table_address(), 0, 0, (uint32_t)N, (uint32_t)K,
+           (uint32_t)E, (uint32_t)w.size(2), (uint32_t)(T * k), (uint32_t)k, 0, (uint32_t)(x.dim() == 3 ? 1 : 0),
            (uint32_t)dtype_code(x.scalar_type()), (uint32_t)dtype_code(x.scalar_type()),
            (uint32_t)(ids.scalar_type() == at::kLong ? 1 : 0)};
   uint32_t gx, gy;
   split_groups(N, gx, gy);
   Pipeline& pipe = pipeline(spv("mul_mat_id", qtype));
+  if (T * k >= kIdGroupedPairs && E <= kIdMaxExperts && T * k <= INT32_MAX) {
+    // grouped by expert: a counting sort of the ids on the device, then chunks of sorted pairs
+    at::Tensor sorted = at::empty({2, T * k}, ids.options().dtype(at::kInt));
+    SortPush sp{address(idc), address(sorted), address(sorted) + (uint64_t)(T * k * 4), (uint32_t)(T * k), (uint32_t)E,
+                p.ids_int64};
+    dispatch(pipeline("mul_mat_id_sort"), &sp, sizeof(sp), 1);
+    p.order = sp.order;
+    p.expert = sp.expert;
+    const int64_t per = (int64_t)kMaxGroups * kIdChunk;
+    for (int64_t p0 = 0; p0 < T * k; p0 += per) {
+      p.p0 = (uint32_t)p0;
+      dispatch(pipe, &p, sizeof(p), gx, gy, (uint32_t)((std::min(per, T * k - p0) + kIdChunk - 1) / kIdChunk));
+    }
+    return out;
+  }
   for (int64_t p0 = 0; p0 < T * k; p0 += kMaxGroups) {
     p.p0 = (uint32_t)p0;
     dispatch(pipe, &p, sizeof(p), gx, gy, (uint32_t)std::min<int64_t>(kMaxGroups, T * k - p0));
