@@ -2,8 +2,8 @@
 
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
-        [--llama-bench PATH] [--no-llama-cpp] [--attention-ab] [--busy N] [--busy-kind spin|matmul]
-        [--profile]
+        [--llama-bench PATH] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
+        [--busy-kind spin|matmul] [--profile]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
 per row per round, ``--reps`` rounds), so load on a shared machine hits them alike; the table gives
@@ -32,6 +32,14 @@ Rows (``--rows``, comma-separated; ``--pp 128,512`` / ``--tg 128`` are shorthand
 GEMMs per token tile instead of the flash-style tiles; ``use_attention_prefill("gemm")``), same
 weights, alternating with the others; its ratio column is flash / gemm. ``HANZO_ATTENTION_FALLBACK=1``
 (at start) runs the torch reference attention instead, for every hanzo-torch engine.
+
+``--threads-ab`` adds our model once more with the adaptive thread count of the CPU kernels off
+(every parallel region on all threads, as ``HANZO_CPU_ADAPTIVE_THREADS=0``), same weights,
+alternating with the others; its ratio column is adaptive / fixed. After the table, each of our
+engines' parallel-region counters over its measurements: regions, the share run serially by the
+adaptive thread count, and the share of parallel regions slower than their calling thread's
+estimate of running them alone ("lost": a late or descheduled thread). The one-minute load
+average is printed with every round.
 
 ``--busy N`` starts N extra processes beside the engines for the whole run (the busy-machine
 case): ``--busy-kind spin`` (default) a Python busy loop each, ``matmul`` a one-thread float32
@@ -135,6 +143,20 @@ class HanzoGemmAttention:
 
     def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
         with self.fused.use_attention_prefill("gemm"):
+            return self.ours.measure(row, ctx, ids)
+
+
+class HanzoFixedThreads:
+    """The same loaded model with the adaptive thread count off: every parallel region of the CPU
+    kernels on all threads (``--threads-ab``)."""
+
+    name = "hanzo-torch (adaptive threads off)"
+
+    def __init__(self, ours: Hanzo):
+        self.ours, self.version = ours, ours.version
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        with hcpu.adaptive_threads(False):
             return self.ours.measure(row, ctx, ids)
 
 
@@ -331,6 +353,8 @@ def main() -> None:
     ap.add_argument("--busy-kind", choices=sorted(BUSY_CODE), default="spin")
     ap.add_argument("--attention-ab", action="store_true",
                     help="also run our model with the earlier (BLAS GEMM tile) prompt attention kernel")
+    ap.add_argument("--threads-ab", action="store_true",
+                    help="also run our model with the adaptive thread count off")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.rows is not None and (args.pp is not None or args.tg is not None):
@@ -353,6 +377,8 @@ def main() -> None:
     engines = [Hanzo(args.model, n_ctx)]
     if args.attention_ab:
         engines.append(HanzoGemmAttention(engines[0]))
+    if args.threads_ab:
+        engines.append(HanzoFixedThreads(engines[0]))
     if not args.no_llama_cpp:
         try:
             engines.append(LlamaCpp(args.model, n_ctx, args.threads))
@@ -375,6 +401,7 @@ def main() -> None:
           flush=True)
     g = torch.Generator().manual_seed(0)
     res: dict[tuple[str, str], list[float]] = {}
+    regions: dict[str, Counter] = {}
     busy = start_busy(args.busy, args.busy_kind)
     try:
         warm = Row("pp", 32)
@@ -386,15 +413,24 @@ def main() -> None:
                 ctx = torch.randint(100, 20000, (row.ctx_len,), generator=g).tolist()
                 ids = torch.randint(100, 20000, (row.n if row.kind == "pp" else 0,), generator=g).tolist()
                 for e in engines:
+                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoFixedThreads)) else None
                     v = e.measure(row, ctx, ids)
+                    if s0 is not None:
+                        s1 = hcpu.thread_stats()
+                        regions.setdefault(e.name, Counter()).update(
+                            {k: s1[k] - s0[k] for k in ("regions", "serial_regions", "parallel_regions", "losses")})
                     if v is not None:
                         res.setdefault((row.name, e.name), []).append(v)
-            print(f"round {r + 1}/{args.reps}: " + ", ".join(f"{k[0]} {k[1]} {v[-1]:.1f}" for k, v in res.items()),
-                  flush=True)
+            print(f"round {r + 1}/{args.reps} (load {os.getloadavg()[0]:.2f}): "
+                  + ", ".join(f"{k[0]} {k[1]} {v[-1]:.1f}" for k, v in res.items()), flush=True)
     finally:
         stop_busy(busy)
     print("engines: " + "; ".join(f"{e.name} {e.version}" for e in engines))
     print_table(rows, [e.name for e in engines], res)
+    for name, c in regions.items():
+        print(f"parallel regions, {name}: {c['regions']} asked, {c['serial_regions'] / max(c['regions'], 1):.0%} "
+              f"run serially, {c['losses'] / max(c['parallel_regions'], 1):.0%} of {c['parallel_regions']} "
+              "parallel ones lost")
     if args.profile:
         profile_decode(engines[0].model)
 

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-think", action="store_true", help="chat template enable_thinking=False (Qwen3)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     g.add_argument("--no-graph", action="store_true",
-                   help="decode eagerly on CUDA/HIP (default: replay a captured decode graph)")
+                   help="decode eagerly on CUDA/HIP and vulkan (default: replay a captured decode graph)")
     g.add_argument("-q", "--quiet", action="store_true", help="no stats on stderr")
 
     p = sub.add_parser("pull", help="download the default model into the cache")
@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generation lengths to test, 0 = skip (default 32)")
     b.add_argument("-r", "--repetitions", type=_positive_int, default=3, metavar="R", help="runs per test (default 3)")
     b.add_argument("--warmup", type=int, default=1, metavar="W", help="untimed runs before each test (default 1)")
+    b.add_argument("--no-graph", action="store_true",
+                   help="tg: decode eagerly on CUDA/HIP and vulkan (default: replay a captured decode graph)")
 
     e = sub.add_parser("export", help="write the prefill and decode step as a torch-mlir linalg-on-tensors module "
                                       "(needs the [mlir] extra)")
@@ -307,7 +309,16 @@ def cmd_generate(args) -> int:
         # the seed matters only when sampling (--temp 0 is greedy and reproducible without it)
         _err(st.summary() + (f" | seed {st.seed}" if args.temp > 0 else ""))
     if profiling:
-        _vk_profile_report(1 + stream.stats.decode_steps, "token (prefill counted as one)")
+        st = stream.stats
+        vp = st.vulkan_profile or {}
+        if "prefill" in vp:
+            _vk_profile_report(1, f"prefill ({st.prompt_tokens} prompt tokens, first sample)", vp["prefill"])
+        if "first_decode" in vp:
+            _vk_profile_report(1, "first decode step" + (" (warm-up and graph capture)" if st.cuda_graph else ""),
+                               vp["first_decode"])
+        if "decode" in vp:
+            _vk_profile_report(st.decode_steps - 1, f"token (decode, {st.decode_steps - 1} steps after the first, "
+                               + ("replayed graph)" if st.cuda_graph else "eager)"), vp["decode"])
     return 0
 
 
@@ -324,11 +335,13 @@ def _vk_profile_start(device) -> bool:
     return True
 
 
-def _vk_profile_report(tokens: int, what: str = "token") -> None:
-    """Print the Vulkan profile counters since the last call, per ``what`` (``tokens`` of them)."""
+def _vk_profile_report(tokens: int, what: str = "token", p: Optional[dict] = None) -> None:
+    """Print Vulkan profile counters per ``what`` (``tokens`` of them): ``p``, or the counters
+    since the last :func:`hanzo_torch.backends.vulkan.profile` call."""
     from .backends import vulkan
 
-    p = vulkan.profile()
+    if p is None:
+        p = vulkan.profile()
     n = max(1, tokens)
     _err(f"vulkan profile per {what}: {p['dispatches'] / n:.1f} dispatches, {p['barriers'] / n:.1f} barriers, "
          f"{p['copies'] / n:.1f} copies, {p['submits'] / n:.2f} submits; record {p['record_us'] / n:.0f} us, "
@@ -494,15 +507,20 @@ def cmd_bench(args) -> int:
         return time.perf_counter() - t0
 
     def run_tg(n: int) -> float:
+        from .cuda_graphs import DecodeStep
+
         tok = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
-        pos = torch.zeros((1, 1), dtype=torch.long, device=device)
+        if getattr(model, "cache_batch_size", 1) != 1:
+            model.setup_cache(1)  # before the decode step: a captured graph keeps the cache's address
         model.reset()
+        step = DecodeStep(model, 1, device, cuda_graph=not args.no_graph, last_only=True)
         _sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             for i in range(n):
-                pos.fill_(i)
-                tok = model(tok, positions=pos, last_only=True)[:, -1].argmax(-1, keepdim=True)  # stays on the device
+                step.positions.fill_(i)
+                step.input_ids.copy_(tok)
+                tok = step()[:, -1].argmax(-1, keepdim=True)  # stays on the device
             int(tok[0, 0])
         return time.perf_counter() - t0
 

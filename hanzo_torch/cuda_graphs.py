@@ -1,16 +1,19 @@
-"""Decode under CUDA/HIP graphs: capture one decode step per batch size, replay it per token.
+"""Decode under CUDA/HIP or Vulkan graphs: capture one decode step per batch size, replay it per token.
 
 A decode step is ``model(input_ids[B, 1], positions=positions[B, 1], **kwargs)`` with both
 inputs in preallocated device buffers that are written in place before each step. The step is
 captured once into a ``torch.cuda.CUDAGraph`` (ROCm builds of torch expose HIP graphs under
-the same name) and replayed afterwards: the kernels, the KV cache addresses and the logits
-buffer are fixed at capture, and only the contents of the two input buffers change. This is
+the same name), or on the ``"vulkan"`` device into a ``torch.vulkan.VulkanGraph`` (one recorded
+command buffer, submitted once per token: :mod:`hanzo_torch.backends.vulkan.device_module`), and
+replayed afterwards: the kernels, the KV cache addresses and the logits buffer are fixed at
+capture, and only the contents of the two input buffers change. This is
 correct only because the model reads the position from the ``positions`` tensor on the device
 (RoPE, KV-cache write, attention mask) and never from a Python value: a position baked in at
 capture would make every replay run at the warm-up position (``../shared/DESIGN.md`` section 4).
 
 :class:`DecodeStep` is what :func:`hanzo_torch.generation.generate` uses: eager where graphs do
-not apply (CPU, ``enabled=False``), captured on CUDA. Captured graphs are cached on the model,
+not apply (CPU, ``cuda_graph=False``, ``HANZO_VK_GRAPH=0`` on vulkan), captured on CUDA/HIP and
+vulkan. Captured graphs are cached on the model,
 keyed by batch size, forward keyword arguments and the addresses of the model's buffers (the KV
 caches): a cache reallocated by ``setup_cache`` invalidates them.
 
@@ -21,6 +24,7 @@ differs.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -36,8 +40,26 @@ _CACHE_ATTR = "_hanzo_decode_graphs"
 
 
 def graphs_supported(device: torch.device) -> bool:
-    """True when ``device`` is a CUDA (or HIP) device and torch can capture graphs on it."""
+    """True when ``device`` is a CUDA (or HIP) device and torch can capture graphs on it, or the
+    ``"vulkan"`` device with its backend available and the environment variable ``HANZO_VK_GRAPH``
+    not set to ``0``."""
+    device = torch.device(device)
+    if device.type == "vulkan":
+        if os.environ.get("HANZO_VK_GRAPH", "1").strip() == "0":
+            return False
+        from .backends import vulkan
+
+        return vulkan.available()
     return device.type == "cuda" and torch.cuda.is_available() and hasattr(torch.cuda, "CUDAGraph")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "vulkan":
+        from .backends import vulkan
+
+        vulkan.synchronize()
+    else:
+        torch.cuda.synchronize(device)
 
 
 def _state_key(model: torch.nn.Module) -> tuple:
@@ -52,7 +74,7 @@ def clear_graphs(model: torch.nn.Module) -> None:
 
 
 class CapturedDecode:
-    """One decode step of ``model`` captured into a CUDA/HIP graph.
+    """One decode step of ``model`` captured into a CUDA/HIP graph, or a Vulkan one on "vulkan".
 
     ``input_ids`` and ``positions`` (int64 ``[B, 1]`` on the model's device) are the static
     inputs, ``logits`` (float32 ``[B, 1, V]``) the static output; :meth:`replay` runs the step
@@ -67,6 +89,18 @@ class CapturedDecode:
                  kwargs: dict, warmup: int = WARMUP_STEPS):
         self.input_ids = input_ids
         self.positions = positions
+        self.device = input_ids.device
+        if self.device.type == "vulkan":
+            from .backends.vulkan.device_module import VulkanGraph, graph
+
+            # one queue: the warm-up steps (pipelines created, lazily allocated buffers made) run
+            # in order before the capture
+            for _ in range(max(1, warmup)):
+                model(input_ids, positions=positions, **kwargs)
+            self.graph = VulkanGraph()
+            with graph(self.graph):
+                self.logits = model(input_ids, positions=positions, **kwargs)
+            return
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(input_ids.device):
             side = torch.cuda.Stream()
@@ -80,6 +114,9 @@ class CapturedDecode:
 
     def replay(self) -> torch.Tensor:
         """Run the captured step; returns the static logits buffer (overwritten by the next replay)."""
+        if self.device.type == "vulkan":
+            self.graph.replay()
+            return self.logits
         with torch.cuda.device(self.input_ids.device):
             self.graph.replay()
         return self.logits
@@ -95,7 +132,8 @@ class DecodeStep:
             (the prefill does that).
         batch_size: B.
         device: where the model runs.
-        cuda_graph: capture and replay on CUDA/HIP (ignored on other devices).
+        cuda_graph: capture and replay on CUDA/HIP and vulkan (ignored on other devices; on
+            vulkan ``HANZO_VK_GRAPH=0`` in the environment turns it off too).
         kwargs: extra keyword arguments of every decode forward (``last_only=True``).
 
     Call :meth:`__call__` after writing ``input_ids`` and ``positions`` (in place) to get the
@@ -135,7 +173,7 @@ class DecodeStep:
                 self.use_graph = False
                 warnings.warn(f"decode graph capture failed, decoding eagerly: {type(e).__name__}: {e}",
                               RuntimeWarning, stacklevel=2)
-                torch.cuda.synchronize(self.device)
+                _synchronize(self.device)
             else:
                 graphs = getattr(self.model, _CACHE_ATTR, None)
                 if graphs is None:

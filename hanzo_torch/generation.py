@@ -9,8 +9,8 @@ Works with any causal LM module following the hanzo-torch model interface (:clas
 that interface (and ``model.generate``).
 
 The prompt is prefilled in one forward; each new token is then fed alone with its position in a
-preallocated ``[1, 1]`` device tensor (written in place). On CUDA/HIP the decode step is captured
-once into a graph and replayed per token (:mod:`hanzo_torch.cuda_graphs`; ``cuda_graph=False``
+preallocated ``[1, 1]`` device tensor (written in place). On CUDA/HIP and vulkan the decode step
+is captured once into a graph and replayed per token (:mod:`hanzo_torch.cuda_graphs`; ``cuda_graph=False``
 turns it off); the prefill always runs eagerly.
 Sampling runs on the CPU in float32 with its own ``torch.Generator``, so a seed gives the same
 tokens whatever the model's device, and the global RNG is untouched.
@@ -73,7 +73,12 @@ class GenerationStats:
     decode_s: float = 0.0
     stop_reason: Optional[str] = None  # "eos", "stop", "length", "context"
     seed: Optional[int] = None
-    cuda_graph: bool = False  # decode steps replayed a captured CUDA/HIP graph
+    cuda_graph: bool = False  # decode steps replayed a captured CUDA/HIP or Vulkan graph
+    vulkan_profile: Optional[dict] = None
+    """On the vulkan device with profiling on (``HANZO_VK_PROFILE=1``): the counters of
+    :func:`hanzo_torch.backends.vulkan.profile` for the ``"prefill"`` (prompt forward and first
+    sample), the ``"first_decode"`` step (graph warm-up and capture included) and the
+    ``"decode"`` steps after it (summed over ``decode_steps - 1`` steps); None otherwise."""
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -413,9 +418,10 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
         tokenizer: overrides ``model.tokenizer`` (needed for text prompts, text output and stop
             strings).
         skip_special_tokens: leave control tokens out of the text.
-        cuda_graph: on a CUDA/HIP model, capture the decode step into a graph once (per batch
-            size and KV cache) and replay it for every token; ignored on other devices. If the
-            capture fails, a RuntimeWarning says why and decode runs eagerly.
+        cuda_graph: on a CUDA/HIP or vulkan model, capture the decode step into a graph once
+            (per batch size and KV cache) and replay it for every token; ignored on other
+            devices (on vulkan, ``HANZO_VK_GRAPH=0`` in the environment also turns it off). If
+            the capture fails, a RuntimeWarning says why and decode runs eagerly.
 
     Returns:
         :class:`GenerationResult`, or a :class:`TextStream` when ``stream``.
@@ -564,6 +570,15 @@ def _run(model, *args) -> Iterator[str]:
         yield from _run_unlocked(model, *args)
 
 
+def _vulkan_profiler(device: torch.device):
+    """``vulkan.profile`` (counters since the last call) when ``device`` is vulkan and profiling is on, else None."""
+    if device.type != "vulkan":
+        return None
+    from .backends import vulkan
+
+    return vulkan.profile if vulkan.profiling() else None
+
+
 def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokenizer, ignore_eos, skip_special,
                   max_context, stats: GenerationStats, result_box: list, cuda_graph: bool = True) -> Iterator[str]:
     from .cuda_graphs import DecodeStep
@@ -590,14 +605,20 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
         result_box.append(GenerationResult("", [], stats))
         return
 
+    vk_profile = _vulkan_profiler(device)
     with torch.inference_mode():
         model.reset()
+        if vk_profile is not None:
+            vk_profile()  # counters from here on
+            stats.vulkan_profile = {}
         t0 = time.perf_counter()
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         pos = torch.arange(len(prompt_ids), dtype=torch.long, device=device).unsqueeze(0)
         logits = model(ids, positions=pos, last_only=True)[0, -1]
         token = sample_next(logits, params, generator, history)
         stats.prefill_s = time.perf_counter() - t0
+        if vk_profile is not None:
+            stats.vulkan_profile["prefill"] = vk_profile()
 
         step = DecodeStep(model, 1, device, cuda_graph, last_only=True)  # [1, 1] id/position buffers
         while True:
@@ -634,6 +655,14 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
             stats.cuda_graph = step.graphed
             stats.decode_s += time.perf_counter() - t1
             stats.decode_steps += 1
+            if vk_profile is not None:
+                p = vk_profile()
+                if stats.decode_steps == 1:
+                    stats.vulkan_profile["first_decode"] = p
+                else:
+                    acc = stats.vulkan_profile.setdefault("decode", dict.fromkeys(p, 0))
+                    for k, v in p.items():
+                        acc[k] += v
     if decoder is not None and stop_reason != "stop":
         text += decoder.flush()
     if len(text) > emitted:

@@ -16,7 +16,12 @@ Backends:
 - ``vulkan``: the ops on "vulkan" tensors (arguments moved there, results brought back), on
   whatever Vulkan device is here (lavapipe in CI); formats from the Vulkan rule table. An op
   without a native Vulkan kernel runs its reference on the device (aten ops natively or through
-  the CPU fallback). Skipped, with the backend's reason, when it cannot run here.
+  the CPU fallback). Skipped, with the backend's reason, when it cannot run here. Its contractions
+  take the float path (the int8 path off);
+- ``vulkan-int8``: the contraction ops (``mul_mat``, ``swiglu_mul_mat``) on the vulkan device with
+  its int8 path forced on (activations quantized to q8_1 on the device, int8 dot products), for
+  the formats with int8 rules; held to float32 rounding of ``x_hat @ W^T`` with ``x_hat`` the q8_1
+  values of x. Present where the device enables integer dot products (lavapipe does).
 
 A new backend gets its tests by adding a :class:`Backend` to :func:`_backends`; the optional
 fields say what the suite can check more tightly (the activations its contractions really use,
@@ -164,8 +169,10 @@ _IN_PLACE = {"kv_cache_write": (0, 1), "qk_norm_rope_kv_write": (5, 6)}
 """The arguments each in-place op writes (a device backend copies them back to the caller's tensors)."""
 
 
-def _vulkan_backend() -> Backend:
-    from hanzo_torch.backends import vulkan
+def _vulkan_run(int8: bool):
+    """``run`` of the vulkan backends: arguments moved to the device, the op run with the int8 path
+    of the contractions forced on or off, results brought back."""
+    from hanzo_torch.backends.vulkan import quant as vulkan_quant
 
     def to_device(a):
         return a.to("vulkan") if isinstance(a, torch.Tensor) else a
@@ -177,17 +184,44 @@ def _vulkan_backend() -> Backend:
 
     def run(op, *args):
         dev = [to_device(a) for a in args]
-        with hanzo_torch.ops.use_reference(op, enabled=False):
+        with hanzo_torch.ops.use_reference(op, enabled=False), vulkan_quant.use_int8(int8):
             out = getattr(torch.ops.hanzo, op)(*dev)
         for i in _IN_PLACE.get(op, ()):  # the caller's caches get the device's result
             args[i].copy_(dev[i].cpu())
         return to_host(out)
 
+    return run
+
+
+def _vulkan_backend() -> Backend:
+    from hanzo_torch.backends import vulkan
+
     # float kernels (no activation quantization): contractions are held to float32 rounding of x @ W^T;
     # ids and positions are checked on the device (no host sync), as on CUDA
-    return Backend("vulkan", run, tuple(vulkan.formats()), dtypes=(torch.float32, torch.bfloat16, torch.float16),
-                   x_hat=lambda op, x, qtype: x.double(), host_index_errors=False,
-                   matvec_max_rows=8)  # kMatVecRows of csrc/vulkan/ops_quant.cpp
+    return Backend("vulkan", _vulkan_run(False), tuple(vulkan.formats()),
+                   dtypes=(torch.float32, torch.bfloat16, torch.float16), x_hat=lambda op, x, qtype: x.double(),
+                   host_index_errors=False, matvec_max_rows=8)  # kMatVecRows of csrc/vulkan/ops_quant.cpp
+
+
+def _vulkan_int8_backend() -> Optional[Backend]:
+    """The vulkan backend with its int8 path forced on, for the contraction ops of the formats
+    with int8 rules (None where the device lacks integer dot products)."""
+    from hanzo_torch.backends import vulkan
+    from hanzo_torch.backends.vulkan import quant as vulkan_quant
+
+    with vulkan_quant.use_int8(True):
+        int8 = frozenset(vulkan_quant.int8_formats())
+    if not int8:
+        return None
+
+    def x_hat(op, x, qtype):
+        # mul_mat and both projections of swiglu_mul_mat quantize x to q8_1 blocks; mul_mat_id is float
+        return _q8_1_values(x) if op != "mul_mat_id" and qtype in int8 else x.double()
+
+    # the formats of the common recipes get every edge case, the others the decode and GEMM cases
+    edge = tuple(q for q in ("Q4_0", "Q8_0", "Q4_K", "Q6_K") if q in int8)
+    return Backend("vulkan-int8", _vulkan_run(True), tuple(q for q in vulkan.formats() if q in int8),
+                   x_hat=x_hat, host_index_errors=False, matvec_max_rows=8, edge_formats=edge)
 
 
 def _backends() -> list:
@@ -201,8 +235,19 @@ def _backends() -> list:
     return out
 
 
+def _contraction_backends() -> list:
+    """The backends of the contraction tests: every backend, and the vulkan one again with its int8 path."""
+    out = list(BACKENDS)
+    if any(b.name == "vulkan" for b in BACKENDS):
+        int8 = _vulkan_int8_backend()
+        if int8 is not None:
+            out.append(int8)
+    return out
+
+
 BACKENDS = _backends()
 _IDS = [b.name for b in BACKENDS]
+CONTRACTION_BACKENDS = _contraction_backends()
 
 
 def _g(*key) -> torch.Generator:
@@ -301,8 +346,15 @@ def _contraction(backend, op, y, ref, x, w_f32, qtype, what, floor=0.0, xh=None)
                                  f"(ratio {(err / bound).max().item():.2f})"
 
 
+def _same_bytes(got, want, dtype=None):
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape, got.dtype, want.dtype)
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} bytes differ, first at {bad[0].tolist()}"
+
+
 TOLERANCE = {
     "dequantize": _exact,
+    "quantize_q8_1": _same_bytes,
     "get_rows": _exact,
     "kv_cache_write": _exact,
     "rms_norm": _close,
@@ -319,8 +371,9 @@ TOLERANCE = {
 """The tolerance of each op, for every backend (see the module docstring)."""
 
 
-def _params(formats_of):
-    return [pytest.param(b, q, id=f"{b.name}-{q}") for b in BACKENDS for q in formats_of(b)]
+def _params(formats_of, backends=None):
+    return [pytest.param(b, q, id=f"{b.name}-{q}") for b in (BACKENDS if backends is None else backends)
+            for q in formats_of(b)]
 
 
 def _dense_and(b):
@@ -387,7 +440,7 @@ def test_get_rows(backend, qtype):
                           torch.ops.hanzo_ref.get_rows(w, ids32, qtype, torch.float32))
 
 
-@pytest.mark.parametrize("backend,qtype", _params(_dense_and))
+@pytest.mark.parametrize("backend,qtype", _params(_dense_and, CONTRACTION_BACKENDS))
 def test_mul_mat(backend, qtype):
     """Every M around the crossover, K past one 2048-value panel (a K tail), N = 7 (a ragged tile),
     and a [2, 3, K] input in every activation dtype."""
@@ -409,7 +462,7 @@ def test_mul_mat(backend, qtype):
                              wf, qtype, f"{qtype} {dtype}")
 
 
-@pytest.mark.parametrize("backend,qtype", _params(lambda b: [q for q in b.formats if b.sweep(q)]))
+@pytest.mark.parametrize("backend,qtype", _params(lambda b: [q for q in b.formats if b.sweep(q)], CONTRACTION_BACKENDS))
 def test_mul_mat_row_and_block_tails(backend, qtype):
     """Decode with 3 and 7 blocks per row (a one-block tail; a 4-block step and a tail) and N = 1,
     2, 5, 8 rows (one row, one pair, pairs and a tail), one and two activation rows."""
@@ -442,7 +495,8 @@ def _filled(qtype, rows, K, byte):
 
 
 @pytest.mark.parametrize("backend,qtype",
-                         _params(lambda b: [q for q in b.formats if b.sweep(q) and _filled(q, 1, 256, 0) is not None]))
+                         _params(lambda b: [q for q in b.formats if b.sweep(q) and _filled(q, 1, 256, 0) is not None],
+                                 CONTRACTION_BACKENDS))
 def test_mul_mat_extreme_values(backend, qtype):
     """Saturated int8 activations (|xq| = 127 everywhere) against all-0x00/0x80/0xFF/0x7F weight
     bytes (Q8_0 -128 and +127, largest nibbles and high bits, largest K-quant sub-block scales)."""
@@ -493,7 +547,7 @@ def test_mul_mat_id(backend, qtype):
 
 def _swiglu_mm_params():
     out = []
-    for b in BACKENDS:
+    for b in CONTRACTION_BACKENDS:
         for q in [q for q in b.formats if b.sweep(q)]:
             up = "Q6_K" if "Q6_K" in b.formats else q
             out.append(pytest.param(b, q, up, id=f"{b.name}-{q}+{up}"))
@@ -601,6 +655,9 @@ def test_moe_route(backend):
 KNOWN_BUGS = {
     ("test_moe_route_nan_row", "triton-interp"): "the Triton moe_route kernel returns expert id E "
                                                  "(out of range) for a row of NaN logits",
+    ("test_quantize_q8_1", "triton-interp"): "the Triton quantize_q8_1 kernel writes other d/s bytes than "
+                                             "the reference for blocks whose 1/d overflows (a subnormal amax) "
+                                             "and for blocks with inf or NaN",
 }
 """Known disagreements with the reference, as strict xfails: each fails the suite once fixed."""
 
@@ -624,6 +681,75 @@ def test_moe_route_nan_row(backend):
         rw, rids = _ref("moe_route", logits, k, normalize)
         assert torch.equal(ids, rids) and ids[2].tolist() == list(range(k)) and torch.isnan(w[2]).all()
         TOLERANCE["moe_route"](w, rw, torch.float32)
+
+
+def _q8_1_edge_rows() -> torch.Tensor:
+    """float32 [rows, 256]: blocks of 32 that probe every step of q8_1 quantization."""
+    g = _g("q8_1-edge")
+    def f(mags):  # float32 from sign-magnitude bit patterns (a negative int: the sign bit set)
+        bits = [m if m >= 0 else (0x80000000 | -m) - (1 << 32) for m in mags]
+        return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+
+    blocks = []
+    # random scales over the whole float range: d = amax / 127 and 1 / d must be correctly rounded
+    amax = torch.exp2(torch.empty(64).uniform_(-99, 126, generator=g)) * (1 + torch.rand(64, generator=g))
+    blocks.append(torch.rand(64, 32, generator=g) * 2 - 1)
+    blocks[-1][:, 0] = 1.0
+    blocks[-1] *= amax[:, None]
+    # amax = 127 (d = 1): exact ties k + 0.5 (away from zero) and their float neighbours
+    ties = torch.arange(-15.5, 16.5, 1.0)
+    blocks.append(torch.cat([torch.tensor([127.0]), ties[:31]]).reshape(1, 32))
+    up, down = torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)
+    blocks.append(torch.cat([torch.tensor([-127.0]), up[:31]]).reshape(1, 32))
+    blocks.append(torch.cat([torch.tensor([127.0]), down[:31]]).reshape(1, 32))
+    # zeros and negative zeros (d = 0), one nonzero among zeros
+    blocks += [torch.zeros(1, 32), -torch.zeros(1, 32), torch.zeros(1, 32).index_fill_(1, torch.tensor([7]), -3.0)]
+    # tiny blocks: subnormal amax (d subnormal, 1/d overflowing or not), amax just under and at 2^-100,
+    # a normal amax with subnormal values that still round to nonzero codes
+    for e in (-149, -140, -130, -127, -126, -125, -120, -110, -100.5, -100, -99.5):
+        b = (torch.rand(1, 32, generator=g) * 2 - 1) * 2.0 ** e
+        b[0, 3] = -(2.0 ** e)
+        blocks.append(b)
+    blocks.append(f([1, 2, 3, -0x7FFFFF, 0x7FFFFF] + [0x400000 - i for i in range(27)]).reshape(1, 32))
+    blocks.append(torch.cat([torch.tensor([2.0 ** -119]), f([0x300000 * (i % 3) - 0x200000 for i in range(31)])])
+                  .reshape(1, 32))
+    # the largest floats; inf, -inf, NaN (with and without an inf), a NaN with a payload
+    big = torch.full((1, 32), 3.4028234e38)
+    big[0, 1::2] = -1.7e38
+    blocks.append(big)
+    for special in (float("inf"), -float("inf"), float("nan")):
+        b = torch.randn(1, 32, generator=g)
+        b[0, 5] = special
+        blocks.append(b)
+    b = torch.randn(1, 32, generator=g)
+    b[0, 2], b[0, 9] = float("inf"), float("nan")
+    blocks.append(b)
+    blocks.append(torch.cat([f([0x7F812345, -0x7FC0BCDF]), torch.randn(30, generator=g)]).reshape(1, 32))
+    x = torch.cat(blocks)
+    pad = -x.shape[0] % 8
+    x = torch.cat([x, torch.randn(pad, 32, generator=g)])
+    return x.reshape(-1, 256)
+
+
+@pytest.mark.parametrize("backend", _known("test_quantize_q8_1", BACKENDS))
+def test_quantize_q8_1(backend):
+    """Bit for bit the reference's bytes: random blocks over the whole float range, exact .5 ties
+    and their neighbours, zero blocks, subnormal and tiny blocks, the largest floats, inf and NaN;
+    float16/bfloat16 inputs (their subnormals too); leading dims kept."""
+    x = _q8_1_edge_rows()
+    got = backend.run("quantize_q8_1", x)
+    TOLERANCE["quantize_q8_1"](got, torch.ops.hanzo_ref.quantize_q8_1(x))
+    for dtype in backend.dtypes:
+        if dtype == torch.float32:
+            continue
+        xd = x.to(dtype)
+        tiny = torch.tensor([2.0 ** -20, -(2.0 ** -24), 2.0 ** -130 if dtype == torch.bfloat16 else 2.0 ** -23])
+        xd[-1, :3] = tiny.to(dtype)
+        xd[-1, 3:32] = 0
+        got = backend.run("quantize_q8_1", xd)
+        TOLERANCE["quantize_q8_1"](got, torch.ops.hanzo_ref.quantize_q8_1(xd))
+    x3 = _randn(2, 3, 64, key="q8_1-3d")
+    TOLERANCE["quantize_q8_1"](backend.run("quantize_q8_1", x3), torch.ops.hanzo_ref.quantize_q8_1(x3))
 
 
 def _kv_cache(x, kv):

@@ -20,6 +20,17 @@ pytestmark = pytest.mark.skipif(not vulkan.available(), reason=f"vulkan backend 
 DEV = "vulkan"
 
 
+@pytest.fixture(autouse=True)
+def _float_contractions():
+    """These tests hold mul_mat to float32 rounding of x @ W^T: the int8 path (on by default where a
+    device accelerates int8 dot products) is off here; tests/test_vulkan_int8.py covers it."""
+    from hanzo_torch.backends.vulkan import quant
+
+    vulkan.register()
+    with quant.use_int8(False):
+        yield
+
+
 def _g(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -129,20 +140,24 @@ def test_swiglu_mul_mat_mixed_formats():
 
 @pytest.fixture
 def profiled():
-    """The profile counters on (reset) for the test, restored after."""
+    """The profile counters on (reset) and the float path of the contractions (not int8) for the
+    test, restored after."""
     import os
+
+    from hanzo_torch.backends.vulkan import quant as vulkan_quant
 
     vulkan.synchronize()
     vulkan.set_profiling(True)
-    yield vulkan.profile
+    with vulkan_quant.use_int8(False):
+        yield vulkan.profile
     vulkan.set_profiling(os.environ.get("HANZO_VK_PROFILE", "") not in ("", "0"))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "IQ2_XXS", "F16"])  # a K-quant, a grid format, a dense one
 def test_swiglu_mul_mat_vec_one_dispatch_same_bits(qtype, profiled):
-    """Gate and up of one format at decode sizes (M <= 8): one dispatch (the two mat-vecs and the
-    epilogue), bit for bit what the three dispatches give, for every activation dtype and M = 1, 3
-    and 8; M = 9 (GEMM) and mixed formats keep three dispatches."""
+    """Gate and up of one format at decode sizes (M <= 8) on the float path: one dispatch (the two
+    mat-vecs and the epilogue), bit for bit what the three dispatches give, for every activation
+    dtype and M = 1, 3 and 8; M = 9 (GEMM), mixed formats and the int8 path keep theirs."""
     K, F = 512, 37
     wg, wu = (random_packed(qtype, (F, K), seed=s).to(DEV) for s in (21, 22))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -168,6 +183,14 @@ def test_swiglu_mul_mat_vec_one_dispatch_same_bits(qtype, profiled):
     profiled()
     torch.ops.hanzo.swiglu_mul_mat(x, wg, w6, qtype, q6).cpu()
     assert profiled()["dispatches"] == 3
+    from hanzo_torch.backends.vulkan import quant as vulkan_quant
+
+    with vulkan_quant.use_int8(True):  # the int8 projections keep their own dispatches
+        if qtype in vulkan_quant.int8_formats():
+            vulkan.synchronize()
+            profiled()
+            torch.ops.hanzo.swiglu_mul_mat(x, wg, wu, qtype, qtype).cpu()
+            assert profiled()["dispatches"] == 4  # quantize_q8_1, two int8 mat-vecs, the epilogue
 
 
 def test_reference_mode_is_honoured():

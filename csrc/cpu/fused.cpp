@@ -15,9 +15,13 @@
 // (shapes, position bounds) and make their inputs contiguous.
 //
 // Threading: decode shapes are a few thousand floats per op, where waking the intra-op pool costs
-// more than the work, so at::parallel_for is used only above kParallelWork floats of work.
+// more than the work, so a parallel region (hz_run_tasks of threading.h: tasks from a shared
+// counter, run serially while the adaptive controller holds regions serial) is opened only above
+// kParallelWork floats of work; decode attention only above kAttnParallelWork. No split depends
+// on the thread count, so results are the same bits with any number of threads.
 #include <torch/library.h>
 #include "hz_api.h"
+#include "threading.h"
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -42,6 +46,10 @@
 namespace {
 
 constexpr int64_t kParallelWork = 1 << 16;  // floats touched below which one thread does the op
+// Decode attention: work (keys x D x (2G + 1)) below which one thread does it, ~0.5 M multiply-adds
+// (tens of microseconds; a context of ~160 for 12 query heads on 2 KV heads of 128): below it a
+// fork-join per layer saves little on an idle machine and risks a wait on a busy one.
+constexpr int64_t kAttnParallelWork = 1 << 19;
 constexpr int64_t kAttnTileMinT = 8;        // attention: query tokens from which the GEMM tiles run
 constexpr int64_t kAttnTileRows = 192;      // attention: query rows (heads x tokens) per GEMM tile
 constexpr int64_t kAttnChunk = 256;         // attention: keys per decode work unit (split-K)
@@ -52,7 +60,8 @@ inline float ld(T v) { return static_cast<float>(v); }
 template <typename T>
 inline T st(float v) { return static_cast<T>(v); }
 
-// Runs body(i0, i1) over [0, n): inline when the total work (n * per_item floats) is small.
+// Runs body(i0, i1) over [0, n): inline when the total work (n * per_item floats) is small, else in
+// tasks of ~kParallelWork/4 floats taken from a shared counter.
 template <typename F>
 void for_rows(int64_t n, int64_t per_item, const F& body) {
     if (n <= 0) return;
@@ -61,7 +70,8 @@ void for_rows(int64_t n, int64_t per_item, const F& body) {
         return;
     }
     const int64_t grain = std::max<int64_t>(1, kParallelWork / 4 / std::max<int64_t>(per_item, 1));
-    at::parallel_for(0, n, grain, body);
+    hz_run_tasks((n + grain - 1) / grain, at::get_num_threads(),
+                 [&](int64_t i) { body(i * grain, std::min(n, (i + 1) * grain)); });
 }
 
 // 8 independent partial sums so the compiler can vectorize the reduction.
@@ -851,11 +861,11 @@ void attention_decode(const float* qp, const uint8_t* kp, const uint8_t* vp, flo
             }
         }
     };
-    // work ~ (2G dots + conversion) per key; below kParallelWork floats one thread does it all
-    if (keys * D * (2 * G + 1) < kParallelWork || at::get_num_threads() == 1 || nu == 1)
+    // work ~ (2G dots + conversion) per key; below kAttnParallelWork one thread does it all
+    if (keys * D * (2 * G + 1) < kAttnParallelWork || at::get_num_threads() == 1 || nu == 1)
         run(0, nu);
     else
-        at::parallel_for(0, nu, 1, run);
+        hz_run_tasks(nu, at::get_num_threads(), [&](int64_t u) { run(u, u + 1); });
     for (int64_t i = 0; i < B * T * Hk; ++i) {
         const int64_t bt = i / Hk, hk = i % Hk, c0 = first[i], c1 = first[i + 1];
         for (int64_t g = 0; g < G; ++g) {
@@ -957,12 +967,14 @@ void attention_tiles(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
 // tile's rows), out = acc / l. A row that sees no key
 // of a tile, or whose maximum is still -inf, takes nothing from it (no -inf - -inf).
 // Work per query tile is O(R * kmax * D): no score row longer than one key tile exists. When
-// there are fewer query tiles than twice the threads (short prompts on a long context), a tile's
-// key range is split into units of at least kFlashSplitKeys keys, merged afterwards by their
-// maxima and sums as the decode kernel's chunks are.
+// there are fewer than kFlashUnits query tiles (short prompts on a long context), a tile's key
+// range is split into units of at least kFlashSplitKeys keys, merged afterwards by their maxima
+// and sums as the decode kernel's chunks are. The split depends on the shapes only, never on the
+// thread count, so the results are the same bits with any number of threads.
 constexpr int64_t kFlashKeys = 64;         // keys per key tile
 constexpr int64_t kFlashRows = 48;         // query rows (tokens x group heads) per query tile, target
 constexpr int64_t kFlashSplitKeys = 512;   // least keys per unit of a split key range
+constexpr int64_t kFlashUnits = 8;         // work units wanted (2 per thread on 4 threads)
 
 void attention_flash(const float* qp, const uint8_t* kp, const uint8_t* vp, float* op, const int64_t* pp, int64_t B,
                      int64_t T, int64_t Hq, int64_t Hk, int64_t D, int64_t S, KvKind kind, float sc) {
@@ -982,7 +994,7 @@ void attention_flash(const float* qp, const uint8_t* kp, const uint8_t* vp, floa
         }
     const int64_t nt = static_cast<int64_t>(tiles.size());
     const int64_t threads = at::get_num_threads();
-    const int64_t want = threads > 1 && nt < 2 * threads ? (2 * threads + nt - 1) / nt : 1;
+    const int64_t want = nt < kFlashUnits ? (kFlashUnits + nt - 1) / nt : 1;
     std::vector<Unit> units;
     std::vector<int64_t> first(static_cast<size_t>(nt + 1));
     int64_t n_parts = 0, flops = 0;
@@ -1014,13 +1026,16 @@ void attention_flash(const float* qp, const uint8_t* kp, const uint8_t* vp, floa
     const FlashLoops loops = flash_loops();
     const bool direct = kind == KvKind::F32;  // float32 key and value rows are read in place
     const float ninf = -std::numeric_limits<float>::infinity();
-    std::atomic<int64_t> next{0};
-    auto worker = [&]() {
+    auto task = [&](int64_t i) {
         // per thread: queries, keys, values (as float32), scores/probabilities, m, l, acc
-        std::vector<float> qb(static_cast<size_t>(Rmax * D)), kb(static_cast<size_t>(Bk * D)),
-            vb(static_cast<size_t>(Bk * D)), sb(static_cast<size_t>(Rmax * Bk)), ml(static_cast<size_t>(2 * Rmax)),
-            acc(static_cast<size_t>(Rmax * D));
-        for (int64_t i = next++; i < nu; i = next++) {
+        thread_local std::vector<float> qb, kb, vb, sb, ml, acc;
+        qb.resize(static_cast<size_t>(Rmax * D));
+        kb.resize(static_cast<size_t>(Bk * D));
+        vb.resize(static_cast<size_t>(Bk * D));
+        sb.resize(static_cast<size_t>(Rmax * Bk));
+        ml.resize(static_cast<size_t>(2 * Rmax));
+        acc.resize(static_cast<size_t>(Rmax * D));
+        {
             const Unit& un = units[static_cast<size_t>(order[static_cast<size_t>(i)])];
             const Tile& tl = tiles[static_cast<size_t>(un.tile)];
             const int64_t b = tl.b, hk = tl.hk, t0 = tl.t0, tq = tl.t1 - tl.t0, R = G * tq;
@@ -1099,11 +1114,7 @@ void attention_flash(const float* qp, const uint8_t* kp, const uint8_t* vp, floa
         }
     };
     // below ~4 MFLOP (~0.1 ms) waking the pool costs more than it saves
-    const int64_t nthreads = flops < (int64_t(1) << 22) ? 1 : std::min<int64_t>(threads, nu);
-    if (nthreads <= 1)
-        worker();
-    else
-        at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) { worker(); });
+    hz_run_tasks(nu, flops < (int64_t(1) << 22) ? 1 : threads, task);
     // merge the units of split tiles: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
     for (int64_t i = 0; i < nt; ++i) {
         const int64_t c0 = first[i], c1 = first[i + 1];

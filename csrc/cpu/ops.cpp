@@ -11,12 +11,14 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
 #include "hz_api.h"
+#include "threading.h"
 
 extern "C" {
 const int8_t* hz_tables[HZ_N_TABLES] = {};
@@ -29,6 +31,85 @@ int64_t hz_prefetch_bytes = 2048;  // 2-4 KiB measured best on Zen 3 (DRAM strea
 // 15.6 -> 19.3 GB/s, Q6_K [1536, 8960] 18.8 -> 22.9, model decode 13.1 -> 16.1 tok/s.
 static int64_t hz_mv_chunk_bytes = 262144, hz_mv_min_chunks = 4;
 std::atomic<int64_t> hz_active_isa{0};
+
+// ------------------------------------------------------------------------------------------------
+// Adaptive thread count of the parallel regions (threading.h). Every parallel region reports
+// whether it was a loss (slower than its calling thread's estimate of running all its tasks
+// alone). kTrip losses among the last kWindow parallel regions switch the regions to serial for
+// the hold time; then the next regions run parallel as a probe, and kTrip losses among the
+// probe's kWindow regions double the hold (up to hold_max), while a probe without them resets it
+// to hold_min. The state is shared by all kernels and guarded by one mutex (one uncontended lock
+// per region, against tens of microseconds of work).
+namespace {
+constexpr int kWindow = 16, kTrip = 4;
+
+struct HzThreads {
+    std::mutex mu;
+    std::atomic<bool> enabled{true};
+    int64_t hold_min = 50'000'000, hold_max = 1'000'000'000;  // ns
+    bool serial = false;     // regions run serially until hold_until
+    int64_t hold_until = 0;  // steady-clock ns
+    int64_t hold = 50'000'000;
+    bool probing = false;
+    int probe_seen = 0;
+    uint32_t window = 0;     // outcomes of the last kWindow parallel regions, bit set = loss
+    std::atomic<int64_t> regions{0}, serial_regions{0}, parallel_regions{0}, losses{0}, holds{0};
+
+    void reset() {  // with mu held
+        serial = probing = false;
+        hold = hold_min;
+        probe_seen = 0;
+        window = 0;
+    }
+};
+
+HzThreads& hz_threads() {
+    static HzThreads t;
+    return t;
+}
+}  // namespace
+
+int64_t hz_region_threads(int64_t nth) {
+    HzThreads& t = hz_threads();
+    t.regions.fetch_add(1, std::memory_order_relaxed);
+    if (!t.enabled.load(std::memory_order_relaxed)) return nth;
+    std::lock_guard<std::mutex> lock(t.mu);
+    if (t.serial) {
+        if (hz_now_ns() < t.hold_until) {
+            t.serial_regions.fetch_add(1, std::memory_order_relaxed);
+            return 1;
+        }
+        t.serial = false;
+        t.probing = true;
+        t.probe_seen = 0;
+        t.window = 0;
+    }
+    return nth;
+}
+
+void hz_region_report(int64_t elapsed_ns, int64_t ntasks, int64_t own_tasks, int64_t own_ns) {
+    HzThreads& t = hz_threads();
+    t.parallel_regions.fetch_add(1, std::memory_order_relaxed);
+    // serial estimate: ntasks * own_ns / own_tasks (none when the calling thread ran no task: the
+    // other threads did the work, so the region was no loss)
+    const bool loss = own_tasks > 0 && elapsed_ns * own_tasks > own_ns * ntasks;
+    if (loss) t.losses.fetch_add(1, std::memory_order_relaxed);
+    if (!t.enabled.load(std::memory_order_relaxed)) return;
+    std::lock_guard<std::mutex> lock(t.mu);
+    if (t.serial) return;  // a region that started before the switch
+    t.window = ((t.window << 1) | (loss ? 1u : 0u)) & ((1u << kWindow) - 1);
+    if (__builtin_popcount(t.window) >= kTrip) {
+        if (t.probing) t.hold = std::min(2 * t.hold, t.hold_max);
+        t.serial = true;
+        t.probing = false;
+        t.window = 0;
+        t.hold_until = hz_now_ns() + t.hold;
+        t.holds.fetch_add(1, std::memory_order_relaxed);
+    } else if (t.probing && ++t.probe_seen >= kWindow) {
+        t.probing = false;
+        t.hold = t.hold_min;
+    }
+}
 
 namespace {
 
@@ -98,13 +179,11 @@ QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
 }
 
 // Tasks 0..n-1 on nth threads, each thread taking the next task from a shared counter (dynamic
-// schedule): on a loaded machine a descheduled thread delays only its current task.
+// schedule): on a loaded machine a descheduled thread delays only its current task; the adaptive
+// controller may run them serially (threading.h).
 template <class F>
 void run_tasks(int64_t n, int64_t nth, const F& task) {
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
-        for (int64_t i; (i = next.fetch_add(1)) < n;) task(i);
-    });
+    hz_run_tasks(n, nth, task);
 }
 
 // Weight rows of one task: ~256 KiB of weights (mat-vec, hz_mv_chunk_bytes) or 16 GEMM tiles.
@@ -807,6 +886,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_matvec_chunk_bytes", [](int64_t bytes, int64_t min_per_thread) { hz_mv_chunk_bytes = std::max<int64_t>(1, bytes); hz_mv_min_chunks = std::max<int64_t>(1, min_per_thread); },
           "mat-vec task size of the dynamic row split: bytes of weights per task, minimum tasks per thread (benchmark knob)",
           py::arg("bytes"), py::arg("min_per_thread") = 4);
+    m.def("set_adaptive_threads", [](bool enabled, int64_t hold_min_ns, int64_t hold_max_ns) {
+              TORCH_CHECK(hold_min_ns >= 0 && hold_max_ns >= hold_min_ns, "set_adaptive_threads: need 0 <= hold_min_ns <= hold_max_ns, got ",
+                          hold_min_ns, ", ", hold_max_ns);
+              HzThreads& t = hz_threads();
+              std::lock_guard<std::mutex> lock(t.mu);
+              t.hold_min = hold_min_ns;
+              t.hold_max = hold_max_ns;
+              t.reset();
+              t.enabled.store(enabled);
+          },
+          "adaptive thread count of the kernels' parallel regions on/off (resets its state); hold times in ns",
+          py::arg("enabled"), py::arg("hold_min_ns") = 50'000'000, py::arg("hold_max_ns") = 1'000'000'000);
+    m.def("thread_stats", []() {
+              HzThreads& t = hz_threads();
+              std::lock_guard<std::mutex> lock(t.mu);
+              return std::map<std::string, int64_t>{
+                  {"enabled", t.enabled.load()}, {"serial", t.serial}, {"hold_ns", t.hold},
+                  {"regions", t.regions.load()}, {"serial_regions", t.serial_regions.load()},
+                  {"parallel_regions", t.parallel_regions.load()}, {"losses", t.losses.load()},
+                  {"holds", t.holds.load()}};
+          },
+          "counters of the kernels' parallel regions: regions (asked for more than one thread), serial_regions "
+          "(run serially by the adaptive controller), parallel_regions, losses (parallel regions slower than the "
+          "calling thread's serial estimate), holds (switches to serial); state: enabled, serial, hold_ns");
+    m.def("region_threads", &hz_region_threads, "testing: the controller's thread count for a region wanting nth threads");
+    m.def("report_region", &hz_region_report, "testing: report a parallel region (elapsed_ns, ntasks, own_tasks, own_ns)");
     m.def("configure", &dispatch::configure, "set the formats ({name: type id}), the quantized formats lacking a "
           "kernel, ISA level and "
           "mat-vec row limit of the registered kernels");

@@ -74,6 +74,10 @@ std::set<std::string> g_fallback_ops;
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& name = op.schema().operator_name();
   std::string full = name.name + (name.overload_name.empty() ? "" : "." + name.overload_name);
+  if (capturing()) {
+    std::string what = full + " (no vulkan kernel: the CPU fallback copies to the host)";
+    check_not_capturing(what.c_str());
+  }
   bool first = false;
   {
     std::lock_guard<std::mutex> g(g_fallback_mu);
@@ -419,7 +423,9 @@ bool binary_supported(at::ScalarType t) { return dtype_code(t) >= 0 && t != at::
 at::Tensor binary(ElemOp op, const at::Tensor& a_in, const at::Tensor& b_in, const at::Scalar& alpha,
                   at::Tensor out) {
   at::ScalarType rt = at::result_type(a_in, b_in);
-  if (!binary_supported(rt) || !binary_supported(a_in.scalar_type()) || !binary_supported(b_in.scalar_type()))
+  // a CPU scalar of any dtype (a Python float is a float64 0-d tensor) is converted by to_vk
+  if (!binary_supported(rt) || (on_vk(a_in) && !binary_supported(a_in.scalar_type())) ||
+      (on_vk(b_in) && !binary_supported(b_in.scalar_type())))
     return at::Tensor();
   if (!on_vk(a_in) && a_in.dim() != 0) return at::Tensor();
   if (!on_vk(b_in) && b_in.dim() != 0) return at::Tensor();
@@ -651,6 +657,7 @@ py::dict memory_dict() {
   d["peak_allocated_bytes"] = m.peak_allocated;
   d["allocations"] = m.allocations;
   d["device_allocations"] = m.device_allocations;
+  d["graph_pool_bytes"] = m.graph_pool;
   return d;
 }
 
@@ -674,6 +681,19 @@ std::vector<std::string> native_ops() {
 }  // namespace
 }  // namespace hz::vk
 
+namespace {
+
+// A hz::vk::Graph owned by Python: destroyed (pool released) when the last reference goes.
+struct PyGraph {
+  hz::vk::Graph* g;
+  PyGraph() : g(hz::vk::create_graph()) {}
+  ~PyGraph() { hz::vk::destroy_graph(g); }
+  PyGraph(const PyGraph&) = delete;
+  PyGraph& operator=(const PyGraph&) = delete;
+};
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hanzo-torch Vulkan runtime and the vulkan torch device";
   m.def("init", [](const std::string& spv_dir) {
@@ -695,6 +715,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fallback_ops", &hz::vk::fallback_ops, "aten ops that ran through the CPU fallback so far");
   m.def("native_ops", &hz::vk::native_ops, "hanzo ops with a kernel on the vulkan device");
   m.def("address", [](const at::Tensor& t) { return hz::vk::address(t); });
+  m.def("capturing", &hz::vk::capturing, "True while a graph capture is under way");
+  py::class_<PyGraph>(m, "Graph", "a recorded command buffer and its private memory pool (runtime.h)")
+      .def(py::init<>())
+      .def("capture_begin", [](PyGraph& g) { hz::vk::capture_begin(g.g); })
+      .def("capture_end", [](PyGraph& g) { hz::vk::capture_end(g.g); })
+      .def("capture_abort", [](PyGraph& g) { hz::vk::capture_abort(g.g); })
+      .def("replay", [](PyGraph& g) {
+        py::gil_scoped_release nogil;
+        hz::vk::replay(g.g);
+      })
+      .def("reset", [](PyGraph& g) {
+        py::gil_scoped_release nogil;
+        hz::vk::reset_graph(g.g);
+      })
+      .def("info", [](PyGraph& g) {
+        hz::vk::GraphInfo i = hz::vk::graph_info(g.g);
+        py::dict d;
+        d["recorded"] = i.recorded;
+        d["dispatches"] = i.dispatches;
+        d["barriers"] = i.barriers;
+        d["copies"] = i.copies;
+        d["pool_bytes"] = i.pool_bytes;
+        return d;
+      });
   m.def("dispatch", [](const std::string& name, const py::bytes& push, uint32_t gx, uint32_t gy, uint32_t gz) {
     std::string p = push;
     hz::vk::dispatch(hz::vk::pipeline(name), p.data(), static_cast<uint32_t>(p.size()), gx, gy, gz);

@@ -1,5 +1,5 @@
-// The Vulkan kernels of the quantized hanzo ops (dequantize, get_rows, mul_mat, mul_mat_id,
-// swiglu_mul_mat), registered on the PrivateUse1 ("vulkan") dispatch key.
+// The Vulkan kernels of the quantized hanzo ops (dequantize, get_rows, quantize_q8_1, mul_mat,
+// mul_mat_id, swiglu_mul_mat), registered on the PrivateUse1 ("vulkan") dispatch key.
 //
 // Each kernel runs its shaders when the call fits them (a format of the Vulkan rule table,
 // float32/float16/bfloat16 activations, int32/int64 ids, every tensor on the vulkan device) and
@@ -14,14 +14,24 @@
 // Shaders (csrc/vulkan/shaders, one SPIR-V per format: "<shader>.<FORMAT>"): dequantize (also
 // get_rows, rows by id), mul_mat_vec (up to kMatVecRows activation rows), mul_mat (tiled GEMM),
 // mul_mat_id (one workgroup per output value of a (token, slot) pair), swiglu_mul_mat (the
-// SwiGLU epilogue after the two projections) and swiglu_mul_mat_vec (gate and up mat-vecs of one
-// format and the epilogue in one dispatch, for up to kMatVecRows rows). Ids are read on the device, never on the host: an
-// id out of range gives NaN in its output row (the ops stay asynchronous).
+// SwiGLU epilogue after the two projections) and swiglu_mul_mat_vec (the float gate and up
+// mat-vecs of one format and the epilogue in one dispatch, for up to kMatVecRows rows). Ids are
+// read on the device, never on the host: an id out of range gives NaN in its output row (the ops
+// stay asynchronous).
+//
+// int8 path of mul_mat (and of swiglu_mul_mat's projections): the activation rows are quantized
+// on the device to ggml q8_1 blocks (quantize_q8_1.comp, bit-exact with the op's reference), then
+// mul_mat_vec_q8 / mul_mat_q8 ("<shader>.<FORMAT>", formats of kInt8Formats) dot them with the
+// weights' integer codes (int8 dot products, SPV_KHR_integer_dot_product) and scale per group.
+// Taken by default where the device reports integerDotProduct4x8BitPackedSignedAccelerated;
+// HANZO_VK_INT8=1 forces it wherever shaderIntegerDotProduct is enabled, =0 turns it off
+// (hanzo_vulkan::quant_set_int8 changes the mode in process). Other formats keep the float path.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <mutex>
 #include <string>
@@ -35,12 +45,50 @@
 namespace hz::vk::quant {
 namespace {
 
-enum Op { MUL_MAT, MUL_MAT_ID, SWIGLU_MUL_MAT, GET_ROWS, DEQUANTIZE, N_OPS };
-const char* const kOpNames[N_OPS] = {"mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize"};
+enum Op { MUL_MAT, MUL_MAT_ID, SWIGLU_MUL_MAT, GET_ROWS, DEQUANTIZE, QUANTIZE_Q8_1, N_OPS };
+const char* const kOpNames[N_OPS] = {"mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize",
+                                     "quantize_q8_1"};
 
 constexpr int64_t kMatVecRows = 8;        // HZ_MV_MAX_M of mul_mat_vec.comp
 constexpr int64_t kTile = 64;             // BM = BN of mul_mat.comp
 constexpr uint32_t kMaxGroups = 65535;    // the smallest maxComputeWorkGroupCount Vulkan allows
+constexpr int64_t kQ8Block = 32, kQ8Bytes = 36;  // values and bytes per q8_1 block
+
+// the formats with int8 rules (the `// hz: variants` line of mul_mat_q8.comp and mul_mat_vec_q8.comp)
+const char* const kInt8Formats[] = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"};
+
+// int8 mode: 0 off, 1 forced on (where the device enables integer dot products), 2 where they are
+// accelerated; HANZO_VK_INT8 (0 / 1, unset: 2) read once
+int int8_mode_from_env() {
+  const char* v = std::getenv("HANZO_VK_INT8");
+  if (v == nullptr || *v == '\0') return 2;
+  const std::string s(v);
+  if (s == "0" || s == "false" || s == "off" || s == "no") return 0;
+  if (s == "1" || s == "true" || s == "on" || s == "yes") return 1;
+  TORCH_WARN_ONCE("hanzo vulkan: HANZO_VK_INT8=", s, " is not 0 or 1; the int8 path is taken where the device "
+                  "accelerates it");
+  return 2;
+}
+std::atomic<int> g_int8_mode{-1};
+int int8_mode() {
+  int m = g_int8_mode.load(std::memory_order_relaxed);
+  if (m < 0) {
+    int expected = -1;
+    g_int8_mode.compare_exchange_strong(expected, int8_mode_from_env());
+    m = g_int8_mode.load();
+  }
+  return m;
+}
+
+// Whether mul_mat of qtype (K values per row) takes the int8 path.
+bool int8_for(c10::string_view qtype, int64_t K) {
+  const int mode = int8_mode();
+  if (mode == 0 || K % kQ8Block != 0 || !features().int8_dot) return false;
+  if (mode == 2 && !features().int8_dot_accelerated) return false;
+  for (const char* f : kInt8Formats)
+    if (qtype == c10::string_view(f)) return true;
+  return false;
+}
 
 ReferenceFlags<N_OPS> g_reference(kOpNames);
 std::atomic<bool> g_configured{false};
@@ -134,26 +182,59 @@ struct MatPush {
   uint32_t N, K, M, row_bytes, x_stride, y_stride, x_dtype, y_dtype;
 };
 
-// y [M, N] (y_dtype, row stride N) = x [M, K] (contiguous) @ W^T for the packed w [N, rb].
-void run_mul_mat(const at::Tensor& x2, const at::Tensor& w, const Fmt& f, c10::string_view qtype, const at::Tensor& y) {
+// Push constants of quantize_q8_1.comp.
+struct Q8Push {
+  uint64_t x, y, n_blocks;
+  uint32_t blocks_per_row, x_stride, x_dtype;
+};
+
+// q8_1 blocks uint8 [R, K / 32 * 36] of the rows of x2 [R, K] (contiguous, K % 32 == 0).
+at::Tensor run_quantize_q8_1(const at::Tensor& x2) {
+  const int64_t R = x2.size(0), K = x2.size(1);
+  TORCH_CHECK(K <= UINT32_MAX, "hanzo vulkan quantize_q8_1: rows too long");
+  at::Tensor out = at::empty({R, K / kQ8Block * kQ8Bytes}, x2.options().dtype(at::kByte));
+  const int64_t n = R * (K / kQ8Block);
+  if (n == 0) return out;
+  Q8Push p{address(x2), address(out), (uint64_t)n, (uint32_t)(K / kQ8Block), (uint32_t)K,
+           (uint32_t)dtype_code(x2.scalar_type())};
+  uint32_t gx, gy;
+  groups_1d((uint64_t)n, 64, gx, gy);
+  dispatch(pipeline("quantize_q8_1"), &p, sizeof(p), gx, gy);
+  return out;
+}
+
+// y [M, N] (y_dtype, row stride N) = x [M, K] (contiguous) @ W^T for the packed w [N, rb]. xq: the
+// q8_1 blocks of x when the caller has them (the int8 path; quantized here when undefined).
+void run_mul_mat(const at::Tensor& x2, const at::Tensor& w, const Fmt& f, c10::string_view qtype,
+                 const at::Tensor& y, at::Tensor xq = at::Tensor()) {
   const int64_t M = x2.size(0), K = x2.size(1), N = w.size(0);
   TORCH_CHECK(N <= UINT32_MAX && K <= UINT32_MAX && w.size(1) <= UINT32_MAX, "hanzo vulkan mul_mat: weight too large");
   MatPush p{address(w), address(x2), address(y), f.table_address(), (uint32_t)N, (uint32_t)K, 0, (uint32_t)w.size(1), (uint32_t)K,
             (uint32_t)N, (uint32_t)dtype_code(x2.scalar_type()), (uint32_t)dtype_code(y.scalar_type())};
+  const bool int8 = int8_for(qtype, K);
+  int64_t x_row_bytes = K * x2.element_size();
+  if (int8) {
+    if (!xq.defined()) xq = run_quantize_q8_1(x2);
+    x_row_bytes = K / kQ8Block * kQ8Bytes;
+    TORCH_CHECK(x_row_bytes <= UINT32_MAX, "hanzo vulkan mul_mat: rows too long");
+    p.x = address(xq);
+    p.x_stride = (uint32_t)x_row_bytes;  // bytes between q8_1 rows
+  }
   if (M <= kMatVecRows) {
     p.M = (uint32_t)M;
     uint32_t gx, gy;
     split_groups(N, gx, gy);
-    dispatch(pipeline(spv("mul_mat_vec", qtype)), &p, sizeof(p), gx, gy);
+    dispatch(pipeline(spv(int8 ? "mul_mat_vec_q8" : "mul_mat_vec", qtype)), &p, sizeof(p), gx, gy);
     return;
   }
   // row blocks of at most kMaxGroups tiles per dispatch
   const int64_t rows_per = (int64_t)kMaxGroups * kTile;
-  Pipeline& pipe = pipeline(spv("mul_mat", qtype));
+  Pipeline& pipe = pipeline(spv(int8 ? "mul_mat_q8" : "mul_mat", qtype));
+  const uint64_t x0 = p.x;
   for (int64_t m0 = 0; m0 < M; m0 += rows_per) {
     const int64_t m = std::min(rows_per, M - m0);
     p.M = (uint32_t)m;
-    p.x = address(x2) + (uint64_t)(m0 * K * x2.element_size());
+    p.x = x0 + (uint64_t)(m0 * x_row_bytes);
     p.y = address(y) + (uint64_t)(m0 * N * y.element_size());
     dispatch(pipe, &p, sizeof(p), (uint32_t)((N + kTile - 1) / kTile), (uint32_t)((m + kTile - 1) / kTile));
   }
@@ -237,8 +318,9 @@ struct SwigluVecPush {
   uint32_t N, K, M, row_bytes, x_stride, y_stride, x_dtype, y_dtype, round_dtype;
 };
 
-// Decode-sized swiglu_mul_mat with gate and up of one format: one dispatch of
-// swiglu_mul_mat_vec (both mat-vecs and the epilogue) instead of three (true: in effect).
+// Decode-sized swiglu_mul_mat with gate and up of one format on the float path (not int8):
+// one dispatch of swiglu_mul_mat_vec (both mat-vecs and the epilogue) instead of three (true: in
+// effect).
 // hanzo_vulkan::swiglu_mul_mat_fused switches it off in process, for an A/B against the three.
 std::atomic<bool> g_swiglu_fused{true};
 
@@ -257,7 +339,7 @@ at::Tensor swiglu_mul_mat_vk(const at::Tensor& x, const at::Tensor& wg, const at
   if (K == 0) return rows_to(y.zero_(), x, F);  // silu(0) * 0
   const at::Tensor x2 = x.reshape({M, K}).contiguous();
   const uint32_t dt = (uint32_t)dtype_code(x.scalar_type());
-  if (M <= kMatVecRows && qg == qu && g_swiglu_fused.load(std::memory_order_relaxed)) {
+  if (M <= kMatVecRows && qg == qu && !int8_for(qg, K) && g_swiglu_fused.load(std::memory_order_relaxed)) {
     TORCH_CHECK(F <= UINT32_MAX && K <= UINT32_MAX && wg.size(1) <= UINT32_MAX,
                 "hanzo vulkan swiglu_mul_mat: weight too large");
     const at::Tensor wgc = wg.contiguous(), wuc = wu.contiguous();
@@ -270,10 +352,12 @@ at::Tensor swiglu_mul_mat_vk(const at::Tensor& x, const at::Tensor& wg, const at
   }
   at::Tensor g = at::empty({M, F}, x.options().dtype(at::kFloat));
   at::Tensor u = at::empty({M, F}, x.options().dtype(at::kFloat));
+  // the q8_1 activations of an int8 projection, quantized once for both and before them
+  const at::Tensor xq = int8_for(qg, K) || int8_for(qu, K) ? run_quantize_q8_1(x2) : at::Tensor();
   {
     Concurrent both;  // the two projections are independent
-    run_mul_mat(x2, wg.contiguous(), *fg, qg, g);
-    run_mul_mat(x2, wu.contiguous(), *fu, qu, u);
+    run_mul_mat(x2, wg.contiguous(), *fg, qg, g, xq);
+    run_mul_mat(x2, wu.contiguous(), *fu, qu, u, xq);
   }
   const int64_t n = M * F;
   TORCH_CHECK(n <= UINT32_MAX, "hanzo vulkan swiglu_mul_mat: output too large");
@@ -350,6 +434,17 @@ at::Tensor dequantize_vk(const at::Tensor& data, c10::string_view qtype, c10::Sy
   return out;
 }
 
+at::Tensor quantize_q8_1_vk(const at::Tensor& x) {
+  if (use_ref(QUANTIZE_Q8_1) || !is_act(x) || x.dim() < 1 || x.size(-1) % kQ8Block != 0) {
+    static auto ref = ref_op<at::Tensor(const at::Tensor&)>("hanzo_ref::quantize_q8_1");
+    return ref.call(x);
+  }
+  const int64_t K = x.size(-1), R = leading(x);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(K / kQ8Block * kQ8Bytes);
+  return run_quantize_q8_1(x.reshape({R, K}).contiguous()).view(shape);
+}
+
 // ---------------------------------------------------------------------------------------- configuration
 
 // names/qk/ts: the formats of the Vulkan rule table (ggml name, values and bytes per block);
@@ -383,6 +478,23 @@ bool set_reference(const std::string& name, bool enabled) { return g_reference.s
 
 std::vector<std::string> reference_ops() { return g_reference.enabled(); }
 
+// Set the int8 mode (0 off, 1 forced on, 2 where accelerated, -1 back to HANZO_VK_INT8); returns
+// the previous mode.
+int64_t set_int8(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 2, "hanzo_vulkan::quant_set_int8: mode must be -1, 0, 1 or 2, got ", mode);
+  const int prev = int8_mode();
+  g_int8_mode.store(mode < 0 ? int8_mode_from_env() : (int)mode);
+  return prev;
+}
+
+// The formats whose mul_mat takes the int8 path now (empty when the mode or the device rules it out).
+std::vector<std::string> int8_formats() {
+  std::vector<std::string> out;
+  for (const char* f : kInt8Formats)
+    if (int8_for(f, kQ8Block)) out.push_back(f);
+  return out;
+}
+
 std::vector<std::string> configured_formats() {
   ensure_configured();
   std::vector<std::string> out;
@@ -405,6 +517,8 @@ TORCH_LIBRARY_FRAGMENT(hanzo_vulkan, m) {
         [](c10::string_view op, bool enabled) { return hz::vk::quant::set_reference(std::string(op), enabled); });
   m.def("quant_reference_ops() -> str[]", [] { return hz::vk::quant::reference_ops(); });
   m.def("quant_formats() -> str[]", [] { return hz::vk::quant::configured_formats(); });
+  m.def("quant_set_int8(int mode) -> int", &hz::vk::quant::set_int8);
+  m.def("quant_int8_formats() -> str[]", [] { return hz::vk::quant::int8_formats(); });
   // swiglu_mul_mat's one-dispatch mat-vec path on or off; returns the previous setting
   m.def("swiglu_mul_mat_fused(bool enabled) -> bool",
         [](bool enabled) { return hz::vk::quant::g_swiglu_fused.exchange(enabled); });
@@ -416,4 +530,5 @@ TORCH_LIBRARY_IMPL(hanzo, PrivateUse1, m) {
   m.impl("swiglu_mul_mat", TORCH_FN(hz::vk::quant::swiglu_mul_mat_vk));
   m.impl("get_rows", TORCH_FN(hz::vk::quant::get_rows_vk));
   m.impl("dequantize", TORCH_FN(hz::vk::quant::dequantize_vk));
+  m.impl("quantize_q8_1", TORCH_FN(hz::vk::quant::quantize_q8_1_vk));
 }

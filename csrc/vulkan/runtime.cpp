@@ -15,9 +15,11 @@
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace hz::vk {
+struct Graph;
 namespace {
 
 constexpr uint32_t kPushBytes = 128;
@@ -77,6 +79,7 @@ struct Block {
   uint64_t size = 0;          // rounded size
   int cls = -1;               // small size class, -1 for a large (dedicated) block
   int pool = kDevicePool;
+  Graph* owner = nullptr;     // the graph whose private pool holds this block (nullptr: the shared cache)
 };
 
 struct Submission {
@@ -84,6 +87,24 @@ struct Submission {
   VkFence fence = VK_NULL_HANDLE;
   std::vector<Block*> release;  // staging blocks to recycle once the fence signals
 };
+
+}  // namespace
+
+// A recorded command buffer and the private memory pool its baked-in addresses point into.
+struct Graph {
+  VkCommandBuffer cmd = VK_NULL_HANDLE;
+  bool recorded = false;        // capture ended without error: replay() may submit cmd
+  std::string error;            // the first refused operation of the capture
+  uint64_t dispatches = 0, barriers = 0, copies = 0;
+  // private pool: blocks allocated while capturing, or freed while capturing; a freed one goes
+  // back to these lists only, so no tensor outside the graph ever gets its memory
+  std::vector<Block*> free_small[kSmallClasses];
+  std::multimap<uint64_t, Block*> free_large;
+  std::unordered_set<Block*> owned;  // live or free
+  uint64_t pool_bytes = 0;
+};
+
+namespace {
 
 struct State {
   std::recursive_mutex mu;
@@ -122,6 +143,8 @@ struct State {
   bool concurrent_recorded = false;
   std::vector<Submission> in_flight;
   std::vector<std::pair<VkCommandBuffer, VkFence>> spare;
+  Graph* capture = nullptr;  // the graph being recorded into (s.cur is its command buffer then)
+  std::vector<VkCommandBuffer> dead_graphs;  // of graphs destroyed while another one was capturing
 
   std::unordered_map<std::string, std::unique_ptr<Pipeline>> pipelines;
 };
@@ -573,7 +596,55 @@ uint64_t large_round(uint64_t bytes) {
   TORCH_CHECK_WITH(OutOfMemoryError, false, o.str());
 }
 
+Block* allocate_shared_locked(State& s, uint64_t bytes, int pool);
+
+// Take a block out of g's free lists (nullptr when none fits).
+Block* take_from_graph(Graph* g, uint64_t bytes) {
+  Block* b = nullptr;
+  if (bytes <= kSmallMax) {
+    auto& fl = g->free_small[small_class(bytes)];
+    if (fl.empty()) return nullptr;
+    b = fl.back();
+    fl.pop_back();
+  } else {
+    auto it = g->free_large.find(large_round(bytes));
+    if (it == g->free_large.end()) return nullptr;
+    b = it->second;
+    g->free_large.erase(it);
+  }
+  return b;
+}
+
+void adopt(State& s, Graph* g, Block* b) {
+  if (b->owner == g) return;
+  if (b->owner != nullptr) {
+    b->owner->owned.erase(b);
+    b->owner->pool_bytes -= b->size;
+    s.stats.graph_pool -= b->size;
+  }
+  b->owner = g;
+  g->owned.insert(b);
+  g->pool_bytes += b->size;
+  s.stats.graph_pool += b->size;
+}
+
+// While capturing, device blocks come from the graph's pool first, else from the shared cache or
+// the driver, and join the pool.
 Block* allocate_locked(State& s, uint64_t bytes, int pool) {
+  if (pool != kDevicePool || s.capture == nullptr) return allocate_shared_locked(s, bytes, pool);
+  Block* b = take_from_graph(s.capture, bytes);
+  if (b != nullptr) {
+    s.stats.allocated += b->size;
+    s.stats.peak_allocated = std::max(s.stats.peak_allocated, s.stats.allocated);
+    s.stats.allocations += 1;
+    return b;
+  }
+  b = allocate_shared_locked(s, bytes, pool);
+  adopt(s, s.capture, b);
+  return b;
+}
+
+Block* allocate_shared_locked(State& s, uint64_t bytes, int pool) {
   Block* b = nullptr;
   if (bytes <= kSmallMax) {
     int cls = small_class(bytes);
@@ -638,12 +709,20 @@ Block* allocate_locked(State& s, uint64_t bytes, int pool) {
 
 void recycle_locked(State& s, Block* b) {
   if (b->pool == kDevicePool) s.stats.allocated -= b->size;
+  // freed while capturing: the graph may read or write it on replay, so its pool keeps it
+  if (b->pool == kDevicePool && s.capture != nullptr) adopt(s, s.capture, b);
+  if (Graph* g = b->owner) {
+    if (b->cls >= 0) g->free_small[b->cls].push_back(b);
+    else g->free_large.emplace(b->size, b);
+    return;
+  }
   if (b->cls >= 0) s.free_small[b->pool][b->cls].push_back(b);
   else s.free_large[b->pool].emplace(b->size, b);
 }
 
 // Free the cached large blocks (their memory goes back to the driver). Waits for the device.
 void release_cached_locked(State& s) {
+  if (s.capture != nullptr) return;  // cannot wait while capturing: the caller raises out of memory
   synchronize_locked(s);
   for (int pool = 0; pool < kPools; ++pool) {
     for (auto& kv : s.free_large[pool]) {
@@ -696,7 +775,29 @@ void barrier_locked(State& s) {
                      VK_ACCESS_TRANSFER_WRITE_BIT;
   auto stages = VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT;
   vkCmdPipelineBarrier(s.cur, stages, stages, 0, 1, &mb, 0, nullptr, 0, nullptr);
-  if (s.profile) s.prof.barriers += 1;
+  if (s.capture != nullptr) s.capture->barriers += 1;
+  else if (s.profile) s.prof.barriers += 1;
+}
+
+// Count a recorded dispatch or copy: in the graph while capturing (it runs at replay), else in
+// the profile.
+void count_dispatch(State& s) {
+  if (s.capture != nullptr) s.capture->dispatches += 1;
+  else if (s.profile) s.prof.dispatches += 1;
+}
+void count_copy(State& s) {
+  if (s.capture != nullptr) s.capture->copies += 1;
+  else if (s.profile) s.prof.copies += 1;
+}
+
+// Refuse `what` while capturing: the capture fails (capture_end raises) and this raises now.
+void refuse_in_capture(State& s, const char* what) {
+  if (s.capture == nullptr) return;
+  std::string msg = std::string("Vulkan graph capture: ") + what +
+                    " is not allowed while capturing (a captured graph runs only on the device, at replay); "
+                    "do it before or after the capture";
+  if (s.capture->error.empty()) s.capture->error = msg;
+  TORCH_CHECK(false, msg);
 }
 
 // Open the command buffer and record the barrier the next command needs.
@@ -708,27 +809,36 @@ void before_command(State& s) {
   }
 }
 
-void submit_locked(State& s);
+void submit_locked(State& s, VkCommandBuffer graph = VK_NULL_HANDLE);
 
 void after_command(State& s) {
   s.cur_commands += 1;
   if (s.concurrent_depth > 0) s.concurrent_recorded = true;
   else s.need_barrier = true;
-  if (s.cur_commands >= kFlushEvery) submit_locked(s);
+  if (s.cur_commands >= kFlushEvery && s.capture == nullptr) submit_locked(s);
 }
 
-void submit_locked(State& s) {
-  if (s.cur == VK_NULL_HANDLE) return;
-  // device writes made visible to the host before the fence signals
+// Device writes made visible to the host before the fence signals.
+void host_barrier(VkCommandBuffer cmd) {
   VkMemoryBarrier mb{VK_STRUCTURE_TYPE_MEMORY_BARRIER};
   mb.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
   mb.dstAccessMask = VK_ACCESS_HOST_READ_BIT;
-  vkCmdPipelineBarrier(s.cur, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT,
+  vkCmdPipelineBarrier(cmd, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT,
                        VK_PIPELINE_STAGE_HOST_BIT, 0, 1, &mb, 0, nullptr, 0, nullptr);
+}
+
+// Submit the open command buffer, followed by `graph` (a recorded graph's) when given, in one
+// vkQueueSubmit with the open buffer's fence.
+void submit_locked(State& s, VkCommandBuffer graph) {
+  refuse_in_capture(s, "submitting the recorded work (flush/synchronize)");
+  if (graph != VK_NULL_HANDLE) begin_locked(s);
+  if (s.cur == VK_NULL_HANDLE) return;
+  if (graph == VK_NULL_HANDLE) host_barrier(s.cur);  // a graph ends with its own
   HZ_VK_CHECK(vkEndCommandBuffer(s.cur));
+  VkCommandBuffer cmds[2] = {s.cur, graph};
   VkSubmitInfo si{VK_STRUCTURE_TYPE_SUBMIT_INFO};
-  si.commandBufferCount = 1;
-  si.pCommandBuffers = &s.cur;
+  si.commandBufferCount = graph != VK_NULL_HANDLE ? 2 : 1;
+  si.pCommandBuffers = cmds;
   auto t0 = Clock::now();
   VkResult r = vkQueueSubmit(s.queue, 1, &si, s.cur_fence);
   if (s.profile) {
@@ -750,6 +860,7 @@ void submit_locked(State& s) {
 
 void synchronize_locked(State& s) {
   if (!s.ready) return;
+  refuse_in_capture(s, "synchronize (waiting for the device)");
   submit_locked(s);
   if (s.in_flight.empty()) return;
   std::vector<VkFence> fences;
@@ -765,6 +876,10 @@ void synchronize_locked(State& s) {
     for (Block* b : sub.release) recycle_locked(s, b);
   }
   s.in_flight.clear();
+  if (!s.dead_graphs.empty()) {
+    vkFreeCommandBuffers(s.device, s.cmd_pool, static_cast<uint32_t>(s.dead_graphs.size()), s.dead_graphs.data());
+    s.dead_graphs.clear();
+  }
 }
 
 bool idle_locked(State& s) { return s.cur == VK_NULL_HANDLE && s.in_flight.empty(); }
@@ -880,10 +995,8 @@ void dispatch(Pipeline& p, const void* push, uint32_t push_bytes, uint32_t gx, u
   vkCmdBindPipeline(s.cur, VK_PIPELINE_BIND_POINT_COMPUTE, reinterpret_cast<VkPipeline>(p.handle));
   if (push_bytes) vkCmdPushConstants(s.cur, s.layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, push_bytes, push);
   vkCmdDispatch(s.cur, gx, gy, gz);
-  if (s.profile) {
-    s.prof.dispatches += 1;
-    s.prof.record_us += us_since(t0);
-  }
+  count_dispatch(s);
+  if (s.profile) s.prof.record_us += us_since(t0);
   after_command(s);
 }
 
@@ -929,6 +1042,7 @@ void copy_from_host(uint64_t dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   State& s = ready_state();
   std::lock_guard<std::recursive_mutex> g(s.mu);
+  refuse_in_capture(s, "a copy from the host (its bytes would be read now, not at replay)");
   uint64_t off = 0;
   Chunk* c = resolve(s, dst, bytes, off);
   if (c->mapped && idle_locked(s)) {  // nothing in flight may still read the old bytes
@@ -942,10 +1056,8 @@ void copy_from_host(uint64_t dst, const void* src, size_t bytes) {
   VkBufferCopy region{st->address - st->chunk->address, off, bytes};
   vkCmdCopyBuffer(s.cur, st->chunk->buffer, c->buffer, 1, &region);
   s.cur_release.push_back(st);
-  if (s.profile) {
-    s.prof.copies += 1;
-    s.prof.record_us += us_since(t0);
-  }
+  count_copy(s);
+  if (s.profile) s.prof.record_us += us_since(t0);
   after_command(s);
 }
 
@@ -953,6 +1065,7 @@ void copy_to_host(void* dst, uint64_t src, size_t bytes) {
   if (bytes == 0) return;
   State& s = ready_state();
   std::lock_guard<std::recursive_mutex> g(s.mu);
+  refuse_in_capture(s, "a copy to the host (.item(), .cpu(), .tolist(), printing a tensor)");
   uint64_t off = 0;
   Chunk* c = resolve(s, src, bytes, off);
   if (c->mapped) {
@@ -964,7 +1077,7 @@ void copy_to_host(void* dst, uint64_t src, size_t bytes) {
   before_command(s);
   VkBufferCopy region{off, st->address - st->chunk->address, bytes};
   vkCmdCopyBuffer(s.cur, c->buffer, st->chunk->buffer, 1, &region);
-  if (s.profile) s.prof.copies += 1;
+  count_copy(s);
   after_command(s);
   synchronize_locked(s);
   std::memcpy(dst, st->chunk->mapped + (st->address - st->chunk->address), bytes);
@@ -983,10 +1096,8 @@ void copy_device(uint64_t dst, uint64_t src, size_t bytes) {
   before_command(s);
   VkBufferCopy region{so, d_o, bytes};
   vkCmdCopyBuffer(s.cur, sc->buffer, dc->buffer, 1, &region);
-  if (s.profile) {
-    s.prof.copies += 1;
-    s.prof.record_us += us_since(t0);
-  }
+  count_copy(s);
+  if (s.profile) s.prof.record_us += us_since(t0);
   after_command(s);
 }
 
@@ -1000,10 +1111,8 @@ void fill32(uint64_t dst, uint32_t pattern, size_t bytes) {
   auto t0 = Clock::now();
   before_command(s);
   vkCmdFillBuffer(s.cur, c->buffer, off, bytes, pattern);
-  if (s.profile) {
-    s.prof.copies += 1;
-    s.prof.record_us += us_since(t0);
-  }
+  count_copy(s);
+  if (s.profile) s.prof.record_us += us_since(t0);
   after_command(s);
 }
 
@@ -1018,7 +1127,175 @@ MemoryStats memory_stats() {
 void empty_cache() {
   State& s = S();
   std::lock_guard<std::recursive_mutex> g(s.mu);
+  refuse_in_capture(s, "empty_cache");
   if (s.ready) release_cached_locked(s);
+}
+
+// ------------------------------------------------------------------ graphs
+
+Graph* create_graph() {
+  ready_state();
+  return new Graph();
+}
+
+namespace {
+
+void free_graph_cmd(State& s, Graph* g) {
+  if (g->cmd != VK_NULL_HANDLE) vkFreeCommandBuffers(s.device, s.cmd_pool, 1, &g->cmd);
+  g->cmd = VK_NULL_HANDLE;
+  g->recorded = false;
+  g->dispatches = g->barriers = g->copies = 0;
+}
+
+void end_capture_locked(State& s, Graph* g) {
+  // the graph's writes made visible to the host (and to what follows: the next buffer starts
+  // with a barrier)
+  host_barrier(g->cmd);
+  VkResult r = vkEndCommandBuffer(g->cmd);
+  s.capture = nullptr;
+  s.cur = VK_NULL_HANDLE;
+  s.cur_fence = VK_NULL_HANDLE;
+  s.cur_commands = 0;
+  s.need_barrier = true;
+  if (r != VK_SUCCESS && g->error.empty()) g->error = std::string("vkEndCommandBuffer failed: ") + vk_result_name(r);
+}
+
+}  // namespace
+
+void destroy_graph(Graph* g) {
+  if (g == nullptr) return;
+  State& s = S();
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
+  if (s.capture == g) capture_abort(g);
+  if (s.capture != nullptr) {
+    // Another graph is capturing: no waiting now. Its pool takes this one's blocks (work in
+    // flight may still use them) and the command buffer is freed after the next wait.
+    if (g->cmd != VK_NULL_HANDLE) s.dead_graphs.push_back(g->cmd);
+    std::vector<Block*> blocks(g->owned.begin(), g->owned.end());
+    for (Block* b : blocks) adopt(s, s.capture, b);
+    for (auto& fl : g->free_small) {
+      for (Block* b : fl) s.capture->free_small[b->cls].push_back(b);
+    }
+    for (auto& kv : g->free_large) s.capture->free_large.emplace(kv.first, kv.second);
+    delete g;
+    return;
+  }
+  if (s.ready) synchronize_locked(s);  // a replay, or work on the pool's blocks, may still run
+  if (s.ready) free_graph_cmd(s, g);
+  // free blocks: small ones back to the shared cache, large ones to the driver
+  for (auto& fl : g->free_small) {
+    for (Block* b : fl) s.free_small[b->pool][b->cls].push_back(b);
+    fl.clear();
+  }
+  for (auto& kv : g->free_large) {
+    g->owned.erase(kv.second);
+    s.stats.graph_pool -= kv.second->size;
+    if (s.ready) free_chunk(s, kv.second->chunk);
+    delete kv.second;
+  }
+  g->free_large.clear();
+  // live blocks (the graph's outputs) and the small free ones belong to the shared cache now
+  for (Block* b : g->owned) {
+    b->owner = nullptr;
+    s.stats.graph_pool -= b->size;
+  }
+  g->owned.clear();
+  delete g;
+}
+
+void capture_begin(Graph* g) {
+  State& s = ready_state();
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
+  TORCH_CHECK(s.capture == nullptr, "Vulkan graph capture: another capture is under way (one at a time)");
+  TORCH_CHECK(g->cmd == VK_NULL_HANDLE, "Vulkan graph capture: this graph already holds a capture (reset() it first)");
+  TORCH_CHECK(s.concurrent_depth == 0, "Vulkan graph capture: cannot begin inside a Concurrent region");
+  submit_locked(s);  // what was recorded before belongs to no graph
+  VkCommandBufferAllocateInfo ai{VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO};
+  ai.commandPool = s.cmd_pool;
+  ai.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
+  ai.commandBufferCount = 1;
+  HZ_VK_CHECK(vkAllocateCommandBuffers(s.device, &ai, &g->cmd));
+  VkCommandBufferBeginInfo bi{VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
+  bi.flags = VK_COMMAND_BUFFER_USAGE_SIMULTANEOUS_USE_BIT;  // replays may be in flight together
+  VkResult r = vkBeginCommandBuffer(g->cmd, &bi);
+  if (r != VK_SUCCESS) free_graph_cmd(s, g);
+  HZ_VK_CHECK(r);
+  g->error.clear();
+  g->dispatches = g->barriers = g->copies = 0;
+  s.capture = g;
+  s.cur = g->cmd;
+  s.cur_fence = VK_NULL_HANDLE;
+  s.cur_commands = 0;
+  s.need_barrier = true;  // the first command waits for the work submitted before the replay
+}
+
+void capture_end(Graph* g) {
+  State& s = ready_state();
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
+  TORCH_CHECK(s.capture == g, "Vulkan graph capture: capture_end() without capture_begin() on this graph");
+  TORCH_CHECK(s.concurrent_depth == 0, "Vulkan graph capture: cannot end inside a Concurrent region");
+  end_capture_locked(s, g);
+  if (!g->error.empty()) {
+    std::string err = g->error;
+    free_graph_cmd(s, g);
+    TORCH_CHECK(false, "Vulkan graph capture failed: ", err);
+  }
+  g->recorded = true;
+}
+
+void capture_abort(Graph* g) noexcept {
+  State& s = S();
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
+  if (s.capture != g) return;
+  end_capture_locked(s, g);
+  free_graph_cmd(s, g);
+}
+
+void replay(Graph* g) {
+  State& s = ready_state();
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
+  TORCH_CHECK(s.capture != g, "Vulkan graph: replay() of the graph being captured");
+  refuse_in_capture(s, "replaying another graph");
+  TORCH_CHECK(g->recorded, "Vulkan graph: replay() of a graph without a successful capture");
+  if (s.profile) {
+    s.prof.dispatches += g->dispatches;
+    s.prof.barriers += g->barriers;
+    s.prof.copies += g->copies;
+  }
+  submit_locked(s, g->cmd);
+}
+
+void reset_graph(Graph* g) {
+  State& s = ready_state();
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
+  TORCH_CHECK(s.capture != g, "Vulkan graph: reset() while capturing it");
+  if (g->cmd != VK_NULL_HANDLE) synchronize_locked(s);
+  free_graph_cmd(s, g);
+  g->error.clear();
+}
+
+GraphInfo graph_info(Graph* g) {
+  State& s = S();
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
+  GraphInfo i;
+  i.recorded = g->recorded;
+  i.dispatches = g->dispatches;
+  i.barriers = g->barriers;
+  i.copies = g->copies;
+  i.pool_bytes = g->pool_bytes;
+  return i;
+}
+
+bool capturing() {
+  State& s = S();
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
+  return s.capture != nullptr;
+}
+
+void check_not_capturing(const char* what) {
+  State& s = S();
+  std::lock_guard<std::recursive_mutex> lock(s.mu);
+  refuse_in_capture(s, what);
 }
 
 bool profiling() { return S().profile; }

@@ -110,12 +110,59 @@ struct MemoryStats {
   uint64_t peak_allocated = 0;
   uint64_t allocations = 0;    // allocate() calls since start
   uint64_t device_allocations = 0;  // vkAllocateMemory calls that succeeded
+  uint64_t graph_pool = 0;     // bytes in the private pools of live graphs (live or free blocks)
 };
 MemoryStats memory_stats();
 // Release cached blocks that no tensor uses (synchronizes first).
 void empty_cache();
 
-// Profile counters, collected when HANZO_VK_PROFILE=1 was set at init().
+// Graphs: one recorded command buffer, replayed many times (the twin of a CUDA graph).
+//
+// Between capture_begin(g) and capture_end(g), dispatches, device copies and fills record into
+// g's command buffer and are not submitted (what was recorded before capture_begin is submitted
+// first). replay(g) submits g's command buffer after the work recorded so far, in one submit:
+// a barrier at its start makes earlier writes (the inputs written by copy_from_host, fill_,
+// copy_) visible to it, and later work is ordered after it. Push constants are baked in at
+// capture, so the addresses and every host-side value (sizes, group counts) are those of the
+// capture; only the contents of device buffers may change between replays.
+//
+// Memory: while capturing, allocations come from g's private pool, and every block freed while
+// capturing goes back to that pool (allocated outside it or not), where only later captures into g
+// can reuse it: a tensor created outside the graph never gets memory the graph reads or writes.
+// destroy_graph() waits for the device and releases the pool: its free blocks return to the
+// shared cache (large ones to the driver), its live ones (the graph's outputs) return there when
+// their tensors are freed.
+//
+// Refused while capturing, with a c10::Error naming the operation (and the capture then fails):
+// a copy to the host (.item(), .cpu(), printing), synchronize(), flush(), empty_cache(), a copy
+// from the host (its bytes would be read at capture, not at replay), the CPU fallback. One capture
+// at a time; every thread's work records into it (one queue).
+struct Graph;
+Graph* create_graph();
+// Waits for the device when the graph was submitted; aborts its capture if it is capturing.
+void destroy_graph(Graph* g);
+void capture_begin(Graph* g);
+// Ends the capture; raises (and g stays empty) when an operation was refused during it.
+void capture_end(Graph* g);
+// Ends the capture and discards what was recorded (after an exception); never raises.
+void capture_abort(Graph* g) noexcept;
+void replay(Graph* g);
+// Drop the recorded commands (the pool is kept); capture_begin may then record again.
+void reset_graph(Graph* g);
+struct GraphInfo {
+  bool recorded = false;
+  uint64_t dispatches = 0, barriers = 0, copies = 0;  // recorded commands (replay adds them to Profile)
+  uint64_t pool_bytes = 0;                              // bytes in the private pool (live or free)
+};
+GraphInfo graph_info(Graph* g);
+// True while a capture is under way.
+bool capturing();
+// Raise (and fail the capture) when capturing: `what` cannot be recorded.
+void check_not_capturing(const char* what);
+
+// Profile counters, collected when HANZO_VK_PROFILE=1 was set at init(). A replay adds the
+// graph's recorded dispatches, barriers and copies; commands recorded while capturing are
+// counted there and not here (they run at replay), their record time is counted here.
 struct Profile {
   uint64_t dispatches = 0;
   uint64_t barriers = 0;

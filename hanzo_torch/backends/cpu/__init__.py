@@ -27,6 +27,13 @@ Instruction sets, chosen at run time from the CPU: ``avx512`` (AVX-512 VL/BW + V
 ``avx2`` (AVX2 + FMA + F16C), ``scalar`` (portable C++). ``HANZO_CPU_ISA=scalar|avx2|avx512``
 forces one (for tests and A/B); ``HANZO_MUL_MAT_FALLBACK=1`` etc. select the torch reference.
 
+Threads: torch's intra-op pool (``torch.set_num_threads``). Each parallel region of the kernels
+hands out tasks from a shared counter; an adaptive thread count runs the regions on the calling
+thread alone while parallel ones keep coming out slower than that (another process busy on the
+cores), probing the pool again now and then. Results are the same bits either way.
+``HANZO_CPU_ADAPTIVE_THREADS=0`` (read when the kernels load) or :func:`set_adaptive_threads`
+turns it off; :func:`thread_stats` gives its counters.
+
 Accuracy: the activation quantization is the only approximation. For one output,
 ``|y - x @ w| <= sum_k |w_k| * d_k / 2`` plus float32 rounding, where ``d_k`` is the int8
 scale (block max / 127) of the block holding ``x_k`` (see tests/test_cpu_kernels.py).
@@ -49,7 +56,8 @@ import torch
 from ...ops import _dispatch
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
-           "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build"]
+           "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build",
+           "set_adaptive_threads", "adaptive_threads", "thread_stats"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
@@ -62,7 +70,8 @@ MV_MAX_ROWS = 5
 _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
 _SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "fused.cpp")
-_HEADERS = ("hz_api.h", "ggml_blocks.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_gemm.h")
+_HEADERS = ("hz_api.h", "ggml_blocks.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_gemm.h",
+            "threading.h")
 
 
 def _rule_table() -> tuple:
@@ -247,15 +256,27 @@ def _self_check(ext, level: int) -> bool:
 
 _FORCED_ISA = os.environ.get("HANZO_CPU_ISA", "").strip().lower()  # read once, at import
 _default_level: Optional[int] = None
+_ADAPTIVE_VALUES = {"": True, "1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
+
+
+def _adaptive_env() -> bool:
+    """``HANZO_CPU_ADAPTIVE_THREADS``: unset/1/on/true (default) or 0/off/false; ValueError otherwise."""
+    raw = os.environ.get("HANZO_CPU_ADAPTIVE_THREADS", "")
+    value = _ADAPTIVE_VALUES.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(f"HANZO_CPU_ADAPTIVE_THREADS={raw!r}: expected 0 or 1")
+    return value
 
 
 def check_environment() -> None:
-    """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set (cheap: no build, no CPU probe).
+    """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or ``HANZO_CPU_ADAPTIVE_THREADS``
+    is neither 0 nor 1 (cheap: no build, no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
     """
     if _FORCED_ISA and _FORCED_ISA not in _ISA_BY_NAME:
         raise ValueError(f"HANZO_CPU_ISA={_FORCED_ISA!r}: expected one of {', '.join(_ISA_BY_NAME)}")
+    _adaptive_env()
 
 
 def default_isa() -> int:
@@ -410,6 +431,11 @@ def _configure(ext) -> None:
     qtypes = {f.name: f.type_id for f in FORMATS.values() if f.type_id in ids}
     lacking = [f.name for f in FORMATS.values() if not f.dense and f.name not in qtypes]
     ext.configure(qtypes, lacking, int(default_isa()), int(MV_MAX_ROWS))
+    try:
+        ext.set_adaptive_threads(_adaptive_env())
+    except ValueError as e:  # a typo warns here (check_environment raises it before a model load)
+        warnings.warn(f"hanzo_torch: {e}; the adaptive thread count stays on", RuntimeWarning, stacklevel=2)
+        ext.set_adaptive_threads(True)
     for op in _dispatch.reference_ops():
         ext.set_reference(op, True)
     if not _configured:
@@ -468,3 +494,45 @@ def use_isa(isa: str):
         yield
     finally:
         ext.set_isa(default_isa())
+
+
+def _ext_or_raise():
+    ext = extension()
+    if ext is None:
+        raise RuntimeError(f"the C++ CPU kernels are not available: {_failed}")
+    return ext
+
+
+def set_adaptive_threads(enabled: bool) -> None:
+    """Turn the adaptive thread count of the CPU kernels' parallel regions on or off (and reset its
+    state). Off: every region uses all of torch's intra-op threads. Results do not depend on it.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_adaptive_threads(bool(enabled))
+
+
+@contextlib.contextmanager
+def adaptive_threads(enabled: bool):
+    """Run the block with the adaptive thread count on or off, then restore the previous setting."""
+    ext = _ext_or_raise()
+    before = bool(ext.thread_stats()["enabled"])
+    ext.set_adaptive_threads(bool(enabled))
+    try:
+        yield
+    finally:
+        ext.set_adaptive_threads(before)
+
+
+def thread_stats() -> dict:
+    """Counters of the CPU kernels' parallel regions since the extension loaded (ints):
+    ``regions`` (calls that asked for more than one thread), ``parallel_regions`` (run on the pool),
+    ``serial_regions`` (run on the calling thread by the adaptive thread count), ``losses``
+    (parallel regions slower than the calling thread's estimate of running them alone), ``holds``
+    (switches to serial); state: ``enabled``, ``serial`` (regions held serial now), ``hold_ns``.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    return dict(_ext_or_raise().thread_stats())

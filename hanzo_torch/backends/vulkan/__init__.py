@@ -23,8 +23,10 @@ False and :func:`status` says why; nothing else changes (the ops run on the othe
 
 Memory and execution model: a vulkan tensor's ``data_ptr()`` is the buffer device address of its
 first element. Ops are asynchronous (recorded into one command buffer); a copy to the CPU,
-``.item()`` or :func:`synchronize` submits and waits. ``HANZO_VK_PROFILE=1`` (read at start)
-collects counters that :func:`profile` returns and resets.
+``.item()`` or :func:`synchronize` submits and waits. ``torch.vulkan.VulkanGraph`` records work
+once and replays it with one submit (:mod:`.device_module`; the decode step of ``generate`` uses
+it unless ``HANZO_VK_GRAPH=0``). ``HANZO_VK_PROFILE=1`` (read at start) collects counters that
+:func:`profile` returns and resets.
 
 Note: ``torch.Tensor.is_vulkan`` is torch's own property for its built-in (unrelated) Vulkan
 device type and is False for these tensors; use ``t.device.type == "vulkan"``.
@@ -385,13 +387,16 @@ def set_profiling(enabled: bool) -> None:
 def profile() -> dict:
     """Counters since the last call, then reset: ``dispatches``, ``barriers``, ``copies``,
     ``submits``, ``record_us``, ``submit_us``, ``fence_wait_us`` (microseconds). All zero unless
-    ``HANZO_VK_PROFILE=1``."""
+    ``HANZO_VK_PROFILE=1``. A graph replay counts the dispatches, barriers and copies recorded in
+    the graph and one submit; commands recorded while capturing count at replay, not at capture."""
     return dict(_need().profile())
 
 
 def memory_stats() -> dict:
     """``allocated_bytes`` (live tensors), ``reserved_bytes`` (Vulkan memory held, cache included),
-    ``peak_allocated_bytes``, ``allocations``, ``device_allocations``."""
+    ``peak_allocated_bytes``, ``allocations``, ``device_allocations``, ``graph_pool_bytes`` (held
+    by the private pools of live :class:`~hanzo_torch.backends.vulkan.device_module.VulkanGraph`
+    objects, their live tensors included)."""
     return dict(_need().memory_stats())
 
 

@@ -9,14 +9,26 @@ grids (too large for GLSL constants), copied to the device once. The registry's 
 formats run the reference with one warning per format. Reference mode
 (:func:`hanzo_torch.ops.use_reference`, ``HANZO_<OP>_FALLBACK=1``) is mirrored into the kernels
 through ``torch.ops.hanzo_vulkan.quant_set_reference``.
+
+``quantize_q8_1`` runs natively (bit for bit the reference's bytes). ``mul_mat`` (and the two
+projections of ``swiglu_mul_mat``) of the formats with int8 rules take an int8 path where it is
+on: the activations are quantized to q8_1 on the device, then dotted with the weights' integer
+codes (int8 dot products) and scaled per group, as the CPU kernels do; the results are those of
+the float path with ``x`` replaced by its q8_1 values. On by default where the device reports
+accelerated 4x8-bit packed signed dot products; ``HANZO_VK_INT8=1`` forces it (wherever the device
+enables integer dot products), ``HANZO_VK_INT8=0`` turns it off; :func:`use_int8` in process.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+from typing import Iterator
 
 import torch
 
-__all__ = ["configure"]
+__all__ = ["configure", "int8_formats", "set_int8", "use_int8"]
+
+_INT8_MODES = {None: -1, False: 0, True: 1, "auto": 2}
 
 _subscribed: list = []
 
@@ -55,3 +67,29 @@ def configure(formats=None) -> None:
     if not _subscribed:
         _subscribed.append(True)
         _dispatch.on_reference_change(lambda op, on: torch.ops.hanzo_vulkan.quant_set_reference(op, on))
+
+
+def int8_formats() -> tuple:
+    """The ggml formats whose ``mul_mat`` takes the int8 path now (empty when it is off, or the
+    device lacks integer dot products). Raises RuntimeError when the extension is not loaded."""
+    return tuple(torch.ops.hanzo_vulkan.quant_int8_formats())
+
+
+def set_int8(mode) -> None:
+    """Set the int8 path: True (forced on), False (off), ``"auto"`` (where the device accelerates
+    int8 dot products) or None (back to ``HANZO_VK_INT8``). Raises ValueError for another mode."""
+    if mode not in _INT8_MODES:
+        raise ValueError(f"set_int8: mode must be True, False, 'auto' or None, got {mode!r}")
+    torch.ops.hanzo_vulkan.quant_set_int8(_INT8_MODES[mode])
+
+
+@contextlib.contextmanager
+def use_int8(mode=True) -> Iterator[None]:
+    """Within the block, the int8 path is in ``mode`` (see :func:`set_int8`); restored after."""
+    if mode not in _INT8_MODES:
+        raise ValueError(f"use_int8: mode must be True, False, 'auto' or None, got {mode!r}")
+    prev = torch.ops.hanzo_vulkan.quant_set_int8(_INT8_MODES[mode])
+    try:
+        yield
+    finally:
+        torch.ops.hanzo_vulkan.quant_set_int8(prev)

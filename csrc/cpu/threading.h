@@ -1,0 +1,62 @@
+// Parallel regions of the CPU kernels (ops.cpp, fused.cpp) and the adaptive thread count.
+//
+// A region is one at::parallel_for (an OpenMP fork-join in torch's CPU build) whose threads take
+// tasks from a shared counter (hz_run_tasks), so a thread that runs late delays only the task it
+// holds. The join still waits for every thread of the pool, including one the OS has descheduled
+// before it arrived: on a machine whose cores are busy with other processes, such waits can make
+// a parallel region slower than the same tasks run by the calling thread alone.
+//
+// The adaptive controller (HzThreads in ops.cpp) watches each region: the calling thread times its
+// own tasks, which estimates the serial time (tasks x its mean task time); a region that took
+// longer than that estimate is a "loss". When losses are frequent the next regions run serially
+// (no fork) for a hold time, then a few regions run parallel again as a probe; a failed probe
+// doubles the hold. Results never depend on it: every kernel's split is fixed by its shapes, not
+// by the thread count, so serial and parallel runs give identical bits.
+// Off switch: set_adaptive_threads(false) (HANZO_CPU_ADAPTIVE_THREADS=0 on the Python side).
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+inline int64_t hz_now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+// Threads for a region that wants nth > 1 threads: nth, or 1 while the controller holds regions
+// serial. Counts the region.
+int64_t hz_region_threads(int64_t nth);
+// Outcome of a parallel region: its wall time, the tasks in all, and the tasks the calling thread
+// ran with the time it spent running them.
+void hz_region_report(int64_t elapsed_ns, int64_t ntasks, int64_t own_tasks, int64_t own_ns);
+
+// Runs task(i) for i in [0, n) on up to nth threads (nth <= 1: inline, no region), each thread
+// taking the next index from a shared counter. task must not depend on which thread runs it.
+template <class F>
+void hz_run_tasks(int64_t n, int64_t nth, const F& task) {
+    if (n <= 0) return;
+    nth = std::min(nth, n);
+    if (nth > 1 && !at::in_parallel_region()) nth = hz_region_threads(nth);
+    else nth = 1;
+    if (nth <= 1) {
+        for (int64_t i = 0; i < n; ++i) task(i);
+        return;
+    }
+    std::atomic<int64_t> next{0};
+    int64_t own_tasks = 0, own_ns = 0;
+    const int64_t t0 = hz_now_ns();
+    at::parallel_for(0, nth, 1, [&](int64_t c, int64_t) {
+        // chunk 0 of at::parallel_for runs on the calling thread (OpenMP's master)
+        const int64_t s = c == 0 ? hz_now_ns() : 0;
+        int64_t k = 0;
+        for (int64_t i; (i = next.fetch_add(1)) < n; ++k) task(i);
+        if (c == 0) {
+            own_tasks = k;
+            own_ns = hz_now_ns() - s;
+        }
+    });
+    hz_region_report(hz_now_ns() - t0, n, own_tasks, own_ns);
+}
