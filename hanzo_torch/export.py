@@ -184,6 +184,12 @@ def _kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, posi
     v_cache.copy_(_cache_update(v_cache, v, positions))
 
 
+def _qk_norm_rope_kv_write(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta: float, eps: float) -> Tensor:
+    q, k = _qk_norm_rope(q, k, q_w, k_w, positions, theta, eps)
+    _kv_cache_write(k_cache, v_cache, k, v, positions)
+    return q
+
+
 def _attention(q, k_cache, v_cache, positions, scale: float, impl: str) -> Tensor:
     # every slot of the cache, slots past each query's position masked (eager softmax in float32)
     B, T, Hq, D = q.shape
@@ -260,6 +266,7 @@ def _decompositions() -> dict:
         hanzo.swiglu.default: _swiglu,
         hanzo.swiglu_mul_mat.default: _swiglu_mul_mat,
         hanzo.kv_cache_write.default: _kv_cache_write,
+        hanzo.qk_norm_rope_kv_write.default: _qk_norm_rope_kv_write,
         hanzo.attention.default: _attention,
         aten.view.dtype: _view_dtype,
     }

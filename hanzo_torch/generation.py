@@ -225,7 +225,8 @@ class SequenceState:
                     "call reset() or load with a larger max_context"
                 )
             self.seq_len = start + T
-            return (torch.arange(T, device=self.device) + start).unsqueeze(0).expand(B, T)
+            # one op (arange, then an add of start, were two device dispatches per decode step)
+            return torch.arange(start, start + T, device=self.device).unsqueeze(0).expand(B, T)
         if positions.shape != (B, T):
             raise ValueError(f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
         if positions.device.type == "cpu" and not torch.compiler.is_compiling():

@@ -165,6 +165,10 @@ def _triton_backend() -> Backend:
 TRITON_MORE = ("Q2_K", "IQ1_S", "IQ4_XS", "TQ2_0")
 
 
+_IN_PLACE = {"kv_cache_write": (0, 1), "qk_norm_rope_kv_write": (5, 6)}
+"""The arguments each in-place op writes (a device backend copies them back to the caller's tensors)."""
+
+
 def _vulkan_run(int8: bool):
     """``run`` of the vulkan backends: arguments moved to the device, the op run with the int8 path
     of the contractions forced on or off, results brought back."""
@@ -182,9 +186,8 @@ def _vulkan_run(int8: bool):
         dev = [to_device(a) for a in args]
         with hanzo_torch.ops.use_reference(op, enabled=False), vulkan_quant.use_int8(int8):
             out = getattr(torch.ops.hanzo, op)(*dev)
-        if op == "kv_cache_write":  # in place: the caller's caches get the device's result
-            args[0].copy_(dev[0].cpu())
-            args[1].copy_(dev[1].cpu())
+        for i in _IN_PLACE.get(op, ()):  # the caller's caches get the device's result
+            args[i].copy_(dev[i].cpu())
         return to_host(out)
 
     return run
@@ -358,6 +361,7 @@ TOLERANCE = {
     "add_rms_norm": _close,
     "qk_norm_rope": _close,
     "swiglu": _close,
+    "qk_norm_rope_kv_write": _close,  # q; the caches: see test_qk_norm_rope_kv_write
     "attention": _close,
     "moe_route": _close,
     "mul_mat": _contraction,
@@ -771,6 +775,74 @@ def test_kv_cache_write(backend, kv):
         assert torch.equal(mine[0][0, 3], _kv_cache(_randn(B, S, Hk, D, key=("kvc", 0)), kv)[0, 3])
 
 
+def _qk_kv_inputs(case, dtype, kv):
+    """q, k, v, norm weights (None for the Qwen2 cases), caches (random slots) and positions."""
+    B, T, Hq, Hk, D, S, norm, pos = (case[n] for n in ("B", "T", "Hq", "Hk", "D", "S", "norm", "positions"))
+    key = ("qkkv", T, D)
+    q = _randn(B, T, Hq, D, key=key + ("q",), dtype=dtype, scale=2)
+    k = _randn(B, T, Hk, D, key=key + ("k",), dtype=dtype, scale=2)
+    v = _randn(B, T, Hk, D, key=key + ("v",), dtype=dtype, scale=2)
+    qw = _randn(D, key=key + ("qw",), dtype=dtype) if norm else None
+    kw = _randn(D, key=key + ("kw",), dtype=dtype) if norm else None
+    caches = [_kv_cache(_randn(B, S, Hk, D, key=key + ("c", i)), kv) for i in range(2)]
+    return q, k, v, qw, kw, caches, torch.tensor(pos)
+
+
+_QK_KV = [
+    # Qwen3 decode: q/k norms, D 128, GQA 4/2, two sequences at far apart positions
+    dict(B=2, T=1, Hq=4, Hk=2, D=128, S=40, norm=True, positions=[[5], [37]]),
+    # Qwen2 (no norm) decode, D 64, the cache's last slot
+    dict(B=1, T=1, Hq=6, Hk=2, D=64, S=24, norm=False, positions=[[23]]),
+    # prompts with gaps and out of order, with and without the norms
+    dict(B=2, T=4, Hq=4, Hk=2, D=64, S=20, norm=True, positions=[[0, 1, 4, 9], [12, 3, 7, 8]]),
+    dict(B=1, T=5, Hq=2, Hk=1, D=32, S=16, norm=False, positions=[[2, 3, 5, 11, 15]]),
+    # a head dim past the Vulkan shader's row buffer (1024 values)
+    dict(B=1, T=1, Hq=2, Hk=1, D=1056, S=4, norm=True, positions=[[2]]),
+]
+
+
+@pytest.mark.parametrize("backend,kv", _kv_params())
+def test_qk_norm_rope_kv_write(backend, kv):
+    """q/k norm + RoPE + KV-cache write in one op, for Qwen2 (no norm) and Qwen3, every activation
+    dtype, decode and prompts with gaps: q and the caches against the references (k rows within
+    the rounding of the rotated k and the cache's type, v rows bit for bit, slots not written
+    untouched), and bit for bit what the backend's own qk_norm_rope then kv_cache_write give."""
+    # an interpreted backend (seconds per launch): the prompt case with gaps and one activation
+    # dtype per cache dtype (its kernels do not depend on the cache's; other caches are the
+    # reference's write)
+    cases = _QK_KV[2:3] if backend.interpreted else _QK_KV
+    acts = (torch.bfloat16 if kv in ("bf16", "f16") else torch.float32,) if backend.interpreted else backend.dtypes
+    for case in cases:
+        for act in acts:
+            q, k, v, qw, kw, caches, pos = _qk_kv_inputs(case, act, kv)
+            args = (1e6, 1e-6)
+            mine, ref, two = ([c.clone() for c in caches] for _ in range(3))
+            q_mine = backend.run("qk_norm_rope_kv_write", q, k, v, qw, kw, mine[0], mine[1], pos, *args)
+            q_ref = torch.ops.hanzo_ref.qk_norm_rope_kv_write(q, k, v, qw, kw, ref[0], ref[1], pos, *args)
+            TOLERANCE["qk_norm_rope_kv_write"](q_mine, q_ref, act)
+            D = case["D"]
+            got_k, want_k = ref_fused.kv_from_cache(mine[0], D), ref_fused.kv_from_cache(ref[0], D)
+            # the rotated k is rounded to act, then to the cache's type: one rounding of the
+            # coarser of the two apart (q8_0: one code of a block, at most amax / 127)
+            coarse = max(_dtype_rtol(act), _dtype_rtol(ref_fused.KV_CACHE_DTYPES[kv])
+                         if kv != "q8_0" else 0.0)
+            scale = want_k.abs().max().item()
+            atol = coarse * scale + (scale / 127 if kv == "q8_0" else 0.0)
+            torch.testing.assert_close(got_k, want_k, rtol=coarse, atol=atol, msg=lambda m: f"{kv} {act} k: {m}")
+            _exact(mine[1], ref[1])
+            written = torch.zeros(caches[0].shape[:2], dtype=torch.bool)
+            written[torch.arange(case["B"])[:, None], pos] = True
+            for c, orig in zip(mine, caches):
+                assert torch.equal(c[~written], orig[~written])
+                assert not torch.equal(c[written], orig[written])
+            # the same bits as the two ops on this backend
+            q_two, k_two = backend.run("qk_norm_rope", q, k, qw, kw, pos, *args)
+            backend.run("kv_cache_write", two[0], two[1], k_two, v, pos)
+            _exact(q_mine, q_two)
+            _exact(mine[0], two[0])
+            _exact(mine[1], two[1])
+
+
 _ATTENTION = [
     # decode: one token, GQA 12/2, two sequences at different lengths, the last slot of the cache
     dict(B=2, T=1, Hq=12, Hk=2, D=128, S=300, positions=[[37], [299]]),
@@ -948,6 +1020,12 @@ def _bad_calls():
         ("kv_cache_write", (kc, kc.clone(), torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8), torch.tensor([[4]])),
          ValueError, "cache length", True),
         ("qk_norm_rope", (q, q, torch.ones(8), None, torch.tensor([[0]]), 1e4, 1e-6), ValueError, "both", False),
+        ("qk_norm_rope_kv_write", (q, q, torch.randn(1, 1, 1, 8), None, None, kc, kc.clone(), torch.tensor([[0]]), 1e4,
+                                   1e-6), ValueError, "qk_norm_rope_kv_write: k and v must be", False),
+        ("qk_norm_rope_kv_write", (q, q, q, None, None, kc, kc[..., :4].clone(), torch.tensor([[0]]), 1e4, 1e-6),
+         ValueError, "of one shape", False),
+        ("qk_norm_rope_kv_write", (q, q, q, None, None, kc, kc.clone(), torch.tensor([[4]]), 1e4, 1e-6), ValueError,
+         "cache length", True),
     ]
 
 

@@ -193,3 +193,15 @@ def test_kv_cache_write_bumps_the_caches_versions():
         ki, vi = torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2)
         ops.kv_cache_write(ki, vi, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), torch.tensor([[3]]))
         assert ki[0, 3, 0].tolist() == [1.0, 1.0]
+
+
+def test_qk_norm_rope_kv_write_bumps_the_caches_versions():
+    """qk_norm_rope_kv_write's C++ ADInplaceOrView kernel bumps both caches' versions (not q's or k's)."""
+    kc, vc = torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2)
+    q, k = torch.ones(1, 1, 2, 2), torch.ones(1, 1, 1, 2)
+    before = [t._version for t in (kc, vc, q, k)]
+    with torch.no_grad():
+        q2 = ops.qk_norm_rope_kv_write(q, k, torch.full((1, 1, 1, 2), 2.0), None, None, kc, vc, torch.tensor([[0]]),
+                                       1e4, 1e-6)
+    assert [t._version for t in (kc, vc, q, k)] == [before[0] + 1, before[1] + 1, before[2], before[3]]
+    assert torch.equal(q2, q) and kc[0, 0, 0].tolist() == [1.0, 1.0] and vc[0, 0, 0].tolist() == [2.0, 2.0]

@@ -34,7 +34,7 @@ KERNEL_MAX_RTOL = 0.25
 MAX_CONTEXT = 8
 PREFILL = 4
 REF_OPS = ("mul_mat", "mul_mat_id", "get_rows", "swiglu_mul_mat", "moe_route", "rms_norm", "add_rms_norm",
-           "qk_norm_rope", "swiglu", "kv_cache_write", "attention")
+           "qk_norm_rope", "swiglu", "kv_cache_write", "qk_norm_rope_kv_write", "attention")
 
 SPECS = {
     "qwen3": dict(n_layer=1, ffn=256, qtypes=dict(embd="Q8_0", attn="Q4_K", ffn="Q6_K", ffn_down="IQ4_XS")),

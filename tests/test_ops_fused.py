@@ -45,6 +45,10 @@ def _opcheck_cases():
     yield "qk_norm_rope", (q, k, None, None, pos, 1e6, 1e-6)
     yield "swiglu", (torch.randn(4, 24, generator=g), torch.randn(4, 24, generator=g))
     yield "kv_cache_write", (torch.zeros(B, S, Hk, D), torch.zeros(B, S, Hk, D), k, torch.randn(B, T, Hk, D, generator=g), pos)
+    v = torch.randn(B, T, Hk, D, generator=g)
+    yield "qk_norm_rope_kv_write", (q, k, v, torch.randn(D, generator=g), torch.randn(D, generator=g),
+                                    torch.zeros(B, S, Hk, D, dtype=torch.float16),
+                                    torch.zeros(B, S, Hk, D, dtype=torch.float16), pos, 1e6, 1e-6)
     kc, vc = torch.randn(B, S, Hk, D, generator=g), torch.randn(B, S, Hk, D, generator=g)
     for impl in ("eager", "flash", "auto"):
         yield "attention", (q, kc, vc, pos, 0.25, impl)
@@ -238,6 +242,11 @@ def test_fake_kernels_check_shapes():
             ops.rms_norm(x, torch.empty(7), 1e-6)
         w, ids = ops.moe_route(torch.empty(5, 8), 3, True)
         assert w.shape == (5, 3) and ids.dtype == torch.int64
+        q, k, kc = torch.empty(1, 2, 4, 16), torch.empty(1, 2, 2, 16), torch.empty(1, 8, 2, 16)
+        pos = torch.zeros(1, 2, dtype=torch.int64)
+        assert ops.qk_norm_rope_kv_write(q, k, k, None, None, kc, kc.clone(), pos, 1e4, 1e-6).shape == q.shape
+        with pytest.raises(ValueError, match="qk_norm_rope_kv_write: k .* does not fit"):
+            ops.qk_norm_rope_kv_write(q, k, k, None, None, kc[:, :, :1], kc[:, :, :1].clone(), pos, 1e4, 1e-6)
 
 
 # ------------------------------------------------------------------------------------------ fallback

@@ -209,6 +209,11 @@ def test_fused_ops_real_shapes(tk, dtype):
     tk.fused.kv_cache_write(kc, vc, k, k, pos)
     ref.kv_cache_write_reference(kc2, vc2, k, k, pos)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    kc3, vc3, kc4, vc4 = (torch.zeros_like(kc) for _ in range(4))
+    q_rot, k_rot = tk.fused.qk_norm_rope(q, k, qw, kw, pos, 1e6, 1e-6)
+    tk.fused.kv_cache_write(kc4, vc4, k_rot, k, pos)
+    assert torch.equal(tk.fused.qk_norm_rope_kv_write(q, k, k, qw, kw, kc3, vc3, pos, 1e6, 1e-6), q_rot)
+    assert torch.equal(kc3, kc4) and torch.equal(vc3, vc4)
     for TT in (1, T):
         qq, pp = q[:, :TT], pos[:, :TT] + (S - 1 - pos[:, -1:]) * (TT == 1)
         out = tk.fused.attention(qq, kc, vc, pp, D ** -0.5, "auto")

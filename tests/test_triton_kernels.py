@@ -499,6 +499,10 @@ def test_every_registered_kernel_matches_its_reference(tk):
     kc, vc = torch.zeros(1, 8, 1, 16), torch.zeros(1, 8, 1, 16)
     ops.kv_cache_write(kc, vc, k, k, pos)
     assert torch.equal(kc[0, 3:5], k[0]) and torch.equal(vc[0, 3:5], k[0])
+    kc2, vc2 = torch.zeros(1, 8, 1, 16), torch.zeros(1, 8, 1, 16)
+    q_rot, k_rot = ops.qk_norm_rope(q, k, None, None, pos, 1e4, 1e-6)
+    assert torch.equal(ops.qk_norm_rope_kv_write(q, k, k, None, None, kc2, vc2, pos, 1e4, 1e-6), q_rot)
+    assert torch.equal(kc2[0, 3:5], k_rot[0]) and torch.equal(vc2[0, 3:5], k[0]) and not kc2[0, :3].any()
     torch.testing.assert_close(ops.attention(q, kc, vc, pos, 0.25, "auto"),
                                rf.attention_reference(q, kc, vc, pos, 0.25, "auto"), **close)
     backend = tk.backend

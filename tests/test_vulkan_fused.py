@@ -199,3 +199,43 @@ def test_reference_mode_and_errors():
     with pytest.raises(ValueError, match="multiple of KV heads"):
         ops.attention(*_vk(torch.randn(1, 1, 3, 32), torch.zeros(1, 4, 2, 32), torch.zeros(1, 4, 2, 32),
                            torch.tensor([[0]])), 0.1, "eager")
+
+
+def test_qk_norm_rope_kv_write_one_dispatch_and_reference_mode():
+    """Natively one dispatch (the two ops it replaces are two); reference mode of the op, or of
+    either of its parts (``HANZO_QK_NORM_ROPE_FALLBACK`` / ``HANZO_KV_CACHE_WRITE_FALLBACK`` keep
+    their meaning in the model), runs the torch reference on the device instead: the same q and
+    the same v rows, k rows within one bf16 rounding."""
+    import os
+
+    B, T, Hq, Hk, D, S = 1, 1, 4, 2, 128, 8
+    q, k, v = (torch.randn(B, T, h, D, generator=_g("qkkv", h, i)) for i, h in enumerate((Hq, Hk, Hk)))
+    qw, kw = torch.randn(D, generator=_g("qkkvw", 0)), torch.randn(D, generator=_g("qkkvw", 1))
+    pos = torch.tensor([[5]])
+    caches0 = [_cache(B, S, Hk, D, torch.bfloat16, s) for s in (30, 31)]
+    vulkan.synchronize()
+    vulkan.set_profiling(True)
+    try:
+        results = {}
+        for mode in (None, "qk_norm_rope_kv_write", "qk_norm_rope", "kv_cache_write"):
+            kc, vc = _vk(*caches0)
+            args = _vk(q, k, v, qw, kw)
+            vulkan.synchronize()
+            vulkan.profile()
+            if mode is None:
+                qo = ops.qk_norm_rope_kv_write(*args, kc, vc, pos.to(DEV), 1e6, 1e-6)
+            else:
+                with hanzo_torch.ops.use_reference(mode):
+                    qo = ops.qk_norm_rope_kv_write(*args, kc, vc, pos.to(DEV), 1e6, 1e-6)
+            vulkan.synchronize()
+            results[mode] = (vulkan.profile()["dispatches"], qo.cpu(), kc.cpu(), vc.cpu())
+    finally:
+        vulkan.set_profiling(os.environ.get("HANZO_VK_PROFILE", "") not in ("", "0"))
+    assert results[None][0] == 1
+    for mode in ("qk_norm_rope_kv_write", "qk_norm_rope", "kv_cache_write"):
+        n, qo, kc, vc = results[mode]
+        assert n > 3, (mode, n)  # the reference's torch ops
+        _close(results[None][1], qo, torch.float32, mode)
+        _close(results[None][2], kc, torch.bfloat16, mode)
+        assert torch.equal(results[None][3], vc), mode
+        assert torch.equal(kc[:, :5], caches0[0][:, :5]) and not torch.equal(kc[:, 5], caches0[0][:, 5])

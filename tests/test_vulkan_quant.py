@@ -160,6 +160,61 @@ def test_swiglu_mul_mat_mixed_formats():
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item())
 
 
+@pytest.fixture
+def profiled():
+    """The profile counters on (reset) and the float path of the contractions (not int8) for the
+    test, restored after."""
+    import os
+
+    from hanzo_torch.backends.vulkan import quant as vulkan_quant
+
+    vulkan.synchronize()
+    vulkan.set_profiling(True)
+    with vulkan_quant.use_int8(False):
+        yield vulkan.profile
+    vulkan.set_profiling(os.environ.get("HANZO_VK_PROFILE", "") not in ("", "0"))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "IQ2_XXS", "F16"])  # a K-quant, a grid format, a dense one
+def test_swiglu_mul_mat_vec_one_dispatch_same_bits(qtype, profiled):
+    """Gate and up of one format at decode sizes (M <= 8) on the float path: one dispatch (the two
+    mat-vecs and the epilogue), bit for bit what the three dispatches give, for every activation
+    dtype and M = 1, 3 and 8; M = 9 (GEMM), mixed formats and the int8 path keep theirs."""
+    K, F = 512, 37
+    wg, wu = (random_packed(qtype, (F, K), seed=s).to(DEV) for s in (21, 22))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for M in (1, 3, 8, 9):
+            x = torch.randn(M, K, generator=_g(23 + M)).to(dtype).to(DEV)
+            vulkan.synchronize()
+            profiled()
+            fused = torch.ops.hanzo.swiglu_mul_mat(x, wg, wu, qtype, qtype).cpu()
+            n_fused = profiled()["dispatches"]
+            prev = torch.ops.hanzo_vulkan.swiglu_mul_mat_fused(False)
+            try:
+                three = torch.ops.hanzo.swiglu_mul_mat(x, wg, wu, qtype, qtype).cpu()
+                n_three = profiled()["dispatches"]
+            finally:
+                torch.ops.hanzo_vulkan.swiglu_mul_mat_fused(prev)
+            assert torch.equal(fused.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               three.view(torch.int16 if dtype != torch.float32 else torch.int32)), (dtype, M)
+            assert (n_fused, n_three) == ((1, 3) if M <= 8 else (3, 3)), (dtype, M, n_fused, n_three)
+    x = torch.randn(1, K, generator=_g(40)).to(DEV)
+    w6 = random_packed("Q6_K" if qtype != "Q6_K" else "Q4_K", (F, K), seed=41).to(DEV)
+    q6 = "Q6_K" if qtype != "Q6_K" else "Q4_K"
+    vulkan.synchronize()
+    profiled()
+    torch.ops.hanzo.swiglu_mul_mat(x, wg, w6, qtype, q6).cpu()
+    assert profiled()["dispatches"] == 3
+    from hanzo_torch.backends.vulkan import quant as vulkan_quant
+
+    with vulkan_quant.use_int8(True):  # the int8 projections keep their own dispatches
+        if qtype in vulkan_quant.int8_formats():
+            vulkan.synchronize()
+            profiled()
+            torch.ops.hanzo.swiglu_mul_mat(x, wg, wu, qtype, qtype).cpu()
+            assert profiled()["dispatches"] == 4  # quantize_q8_1, two int8 mat-vecs, the epilogue
+
+
 def test_reference_mode_is_honoured():
     w = random_packed("Q8_0", (4, 64), seed=18).to(DEV)
     bad = torch.tensor([0, 4]).to(DEV)

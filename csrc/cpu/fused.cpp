@@ -1,6 +1,6 @@
 // CPU kernels of the small fused transformer ops (hanzo::rms_norm, add_rms_norm, qk_norm_rope,
-// swiglu, kv_cache_write, attention, moe_route). Each is one pass of plain loops over rows in
-// float32 (f16/bf16 inputs are converted per element, results rounded once to the input dtype),
+// swiglu, kv_cache_write, qk_norm_rope_kv_write, attention, moe_route). Each is one pass of plain
+// loops over rows in float32 (f16/bf16 inputs are converted per element, results rounded once to the input dtype),
 // with the same maths as the references in hanzo_torch/ops/fused.py. The KV cache may be float32,
 // float16, bfloat16 or q8_0 blocks whatever the activation dtype (see "KV cache element formats").
 // Attention of one query token (decode) reads each KV head's rows once for all its query heads
@@ -780,6 +780,21 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_
 }
 
 // ---------------------------------------------------------------------------------------------
+// qk_norm_rope_kv_write
+// ---------------------------------------------------------------------------------------------
+// qk_norm_rope, then kv_cache_write of the rotated k (rounded to the activation dtype, as the
+// two ops give it) and of v. Both kernels run inline at decode sizes (for_rows), so this adds no
+// parallel region; it saves the dispatcher round trip of the second op.
+at::Tensor qk_norm_rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const std::optional<at::Tensor>& q_w, const std::optional<at::Tensor>& k_w,
+                                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& positions, double theta,
+                                 double eps) {
+    auto qk = qk_norm_rope(q, k, q_w, k_w, positions, theta, eps);
+    kv_cache_write(k_cache, v_cache, std::get<1>(qk), v, positions);
+    return std::get<0>(qk);
+}
+
+// ---------------------------------------------------------------------------------------------
 // attention
 // ---------------------------------------------------------------------------------------------
 // Decode-sized calls (few query rows), split-K: a work unit is (b, t, kv head, chunk of up to
@@ -1252,6 +1267,9 @@ TORCH_LIBRARY(hanzo_cpu, m) {
           &qk_norm_rope);
     m.def("kv_cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions) -> ()",
           &kv_cache_write);
+    m.def("qk_norm_rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor? q_w, Tensor? k_w, Tensor(a!) k_cache, "
+          "Tensor(b!) v_cache, Tensor positions, float theta, float eps) -> Tensor",
+          &qk_norm_rope_kv_write);
     m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale) -> Tensor", &attention);
     m.def("set_attention_prefill(int path) -> int", &set_attention_prefill);
     m.def("moe_route(Tensor probs, int k, bool normalize) -> (Tensor, Tensor)", &moe_route);

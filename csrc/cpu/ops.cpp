@@ -493,10 +493,10 @@ std::vector<std::vector<int64_t>> formats() {  // (type_id, block size, block by
 namespace dispatch {
 
 enum Op { MUL_MAT, MUL_MAT_ID, SWIGLU_MUL_MAT, GET_ROWS, DEQUANTIZE, RMS_NORM, ADD_RMS_NORM, QK_NORM_ROPE, SWIGLU,
-          KV_CACHE_WRITE, ATTENTION, MOE_ROUTE, N_OPS };
+          KV_CACHE_WRITE, QK_NORM_ROPE_KV_WRITE, ATTENTION, MOE_ROUTE, N_OPS };
 const char* const kOpNames[N_OPS] = {"mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "rms_norm",
-                                     "add_rms_norm", "qk_norm_rope", "swiglu", "kv_cache_write", "attention",
-                                     "moe_route"};
+                                     "add_rms_norm", "qk_norm_rope", "swiglu", "kv_cache_write",
+                                     "qk_norm_rope_kv_write", "attention", "moe_route"};
 std::atomic<bool> g_reference[N_OPS];
 std::atomic<int64_t> g_isa{0}, g_mv_max{5};
 std::atomic<bool> g_configured{false};  // false until configure(): every call goes to the reference
@@ -750,6 +750,39 @@ void kv_cache_write_cpu(at::Tensor& kc, at::Tensor& vc, const at::Tensor& k, con
     op.call(kc, vc, k, v, pos);
 }
 
+using QkKvSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, at::Tensor&, at::Tensor&, const at::Tensor&, double, double);
+using QkKvCpuSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&, at::Tensor, at::Tensor, const at::Tensor&, double,
+                              double);
+
+// Runs the C++ path when both halves' fit tests pass (and neither half is in reference mode, so
+// that HANZO_QK_NORM_ROPE_FALLBACK / HANZO_KV_CACHE_WRITE_FALLBACK keep meaning what they say).
+at::Tensor qk_norm_rope_kv_write_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const std::optional<at::Tensor>& qw, const std::optional<at::Tensor>& kw,
+                                     at::Tensor& kc, at::Tensor& vc, const at::Tensor& pos, double theta, double eps) {
+    bool ok = !use_ref(QK_NORM_ROPE_KV_WRITE) && !use_ref(QK_NORM_ROPE) && !use_ref(KV_CACHE_WRITE) && q.dim() == 4 &&
+              k.dim() == 4 && is_act(q) && k.device().is_cpu() && k.scalar_type() == q.scalar_type() &&
+              v.device().is_cpu() && v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type() && kc.dim() == 4 &&
+              kc.sizes() == vc.sizes() && kc.device().is_cpu() && vc.device().is_cpu() && kc.is_contiguous() &&
+              vc.is_contiguous() && vc.scalar_type() == kc.scalar_type();
+    if (ok) {
+        const int64_t B = q.size(0), T = q.size(1), D = q.size(3);
+        ok = k.size(0) == B && k.size(1) == T && k.size(3) == D && D % 2 == 0 && pos.dim() == 2 && pos.size(0) == B &&
+             pos.size(1) == T && is_int(pos) && qw.has_value() == kw.has_value() && kc.size(0) == B &&
+             kc.size(2) == k.size(2) && kv_cache_ok(kc, D) && positions_in(pos, kc.size(1));
+        if (ok && qw.has_value())
+            ok = qw->dim() == 1 && qw->size(0) == D && kw->dim() == 1 && kw->size(0) == D && qw->device().is_cpu() &&
+                 kw->device().is_cpu();
+    }
+    if (!ok) {
+        static auto ref = ref_op<QkKvSig>("hanzo_ref::qk_norm_rope_kv_write");
+        return ref.call(q, k, v, qw, kw, kc, vc, pos, theta, eps);
+    }
+    static auto op = ref_op<QkKvCpuSig>("hanzo_cpu::qk_norm_rope_kv_write");
+    return op.call(q, k, v, qw, kw, kc, vc, pos, theta, eps);
+}
+
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
                          double scale, c10::string_view impl) {
     bool ok = !use_ref(ATTENTION) && (impl == "auto" || impl == "eager" || impl == "flash") && q.dim() == 4 && is_act(q) &&
@@ -790,6 +823,17 @@ void kv_cache_write_adinplace(c10::DispatchKeySet ks, at::Tensor& kc, at::Tensor
         if (!t->is_inference()) torch::autograd::impl::bump_version(*t);
     static auto op = ref_op<KvSig>("hanzo::kv_cache_write");
     op.redispatch(ks & c10::after_ADInplaceOrView_keyset, kc, vc, k, v, pos);
+}
+
+// The same for qk_norm_rope_kv_write's caches.
+at::Tensor qk_norm_rope_kv_write_adinplace(c10::DispatchKeySet ks, const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, const std::optional<at::Tensor>& qw,
+                                           const std::optional<at::Tensor>& kw, at::Tensor& kc, at::Tensor& vc,
+                                           const at::Tensor& pos, double theta, double eps) {
+    for (const at::Tensor* t : {&kc, &vc})
+        if (!t->is_inference()) torch::autograd::impl::bump_version(*t);
+    static auto op = ref_op<QkKvSig>("hanzo::qk_norm_rope_kv_write");
+    return op.redispatch(ks & c10::after_ADInplaceOrView_keyset, q, k, v, qw, kw, kc, vc, pos, theta, eps);
 }
 
 // qtypes: {ggml name: type id} of the formats with a C++ kernel; lacking: the registry's other
@@ -888,12 +932,15 @@ TORCH_LIBRARY_IMPL(hanzo, CPU, m) {
     m.impl("qk_norm_rope", TORCH_FN(dispatch::qk_norm_rope_cpu));
     m.impl("swiglu", TORCH_FN(dispatch::swiglu_cpu));
     m.impl("kv_cache_write", TORCH_FN(dispatch::kv_cache_write_cpu));
+    m.impl("qk_norm_rope_kv_write", TORCH_FN(dispatch::qk_norm_rope_kv_write_cpu));
     m.impl("attention", TORCH_FN(dispatch::attention_cpu));
     m.impl("moe_route", TORCH_FN(dispatch::moe_route_cpu));
 }
 
-// Replaces the custom op's Python ADInplaceOrView kernel of kv_cache_write (the loader silences
-// the dispatcher's "overriding a kernel" warning, which is expected here).
+// Replaces the custom ops' Python ADInplaceOrView kernels of kv_cache_write and
+// qk_norm_rope_kv_write (the loader silences the dispatcher's "overriding a kernel" warning,
+// which is expected here).
 TORCH_LIBRARY_IMPL(hanzo, ADInplaceOrView, m) {
     m.impl("kv_cache_write", TORCH_FN(dispatch::kv_cache_write_adinplace));
+    m.impl("qk_norm_rope_kv_write", TORCH_FN(dispatch::qk_norm_rope_kv_write_adinplace));
 }

@@ -1,5 +1,6 @@
 // Vulkan kernels of the fused transformer ops (hanzo::rms_norm, add_rms_norm, qk_norm_rope,
-// swiglu, kv_cache_write, attention, moe_route), registered on the PrivateUse1 ("vulkan") key.
+// swiglu, kv_cache_write, qk_norm_rope_kv_write, attention, moe_route), registered on the
+// PrivateUse1 ("vulkan") key.
 //
 // Each kernel records one compute dispatch of a shader in csrc/vulkan/shaders/ and returns
 // without waiting, like a CUDA kernel launch. Tensors reach the shaders as buffer device
@@ -36,9 +37,10 @@ namespace hz {
 namespace vk {
 namespace fused {
 
-enum Op { RMS_NORM, ADD_RMS_NORM, QK_NORM_ROPE, SWIGLU, KV_CACHE_WRITE, ATTENTION, MOE_ROUTE, N_OPS };
+enum Op { RMS_NORM, ADD_RMS_NORM, QK_NORM_ROPE, SWIGLU, KV_CACHE_WRITE, QK_NORM_ROPE_KV_WRITE, ATTENTION, MOE_ROUTE,
+          N_OPS };
 const char* const kOpNames[N_OPS] = {"rms_norm", "add_rms_norm", "qk_norm_rope", "swiglu", "kv_cache_write",
-                                     "attention", "moe_route"};
+                                     "qk_norm_rope_kv_write", "attention", "moe_route"};
 ReferenceFlags<N_OPS> g_reference(kOpNames);
 
 // Reference mode of one op (true: its calls run torch.ops.hanzo_ref.<op>); false for a name
@@ -289,6 +291,75 @@ void kv_cache_write_vk(at::Tensor& kc, at::Tensor& vc, const at::Tensor& k_in, c
 }
 
 // ---------------------------------------------------------------------------------------------
+// qk_norm_rope_kv_write
+// ---------------------------------------------------------------------------------------------
+struct QkKvPush {
+    uint64_t q, k, v, qo, kc, vc, qw, kw, pos, inv_freq;
+    uint32_t BT, T, S, Hq, Hk, D;
+    uint32_t dt, dt_w, dt_c, pos32, norm;
+    float eps;
+};
+static_assert(sizeof(QkKvPush) <= 128, "push constants of qk_norm_rope_kv_write");
+
+constexpr int64_t kQkKvMaxD = 1024;  // FZ_MAX_D of qk_norm_rope_kv_write.comp
+
+using QkKvSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, at::Tensor&, at::Tensor&, const at::Tensor&, double,
+                           double);
+
+// One dispatch of qk_norm_rope_kv_write.comp; a call that one of the two halves' kernels would
+// hand to its reference (or an op of the three in reference mode) runs the op's reference, and
+// rows longer than the shader's shared buffer run the two kernels.
+at::Tensor qk_norm_rope_kv_write_vk(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                    const std::optional<at::Tensor>& qw_in, const std::optional<at::Tensor>& kw_in,
+                                    at::Tensor& kc, at::Tensor& vc, const at::Tensor& pos_in, double theta,
+                                    double eps) {
+    uint32_t dt = 0, dt_k = 0, dt_v = 0, dt_w = 0, dt_kw = 0, dt_c = 0, dt_vc = 0, pos32 = 0;
+    bool ok = !use_ref(Op::QK_NORM_ROPE_KV_WRITE) && !use_ref(Op::QK_NORM_ROPE) && !use_ref(Op::KV_CACHE_WRITE) &&
+              q_in.dim() == 4 && k_in.dim() == 4 && act(q_in, &dt) && act(k_in, &dt_k) && act(v_in, &dt_v) &&
+              dt_k == dt && dt_v == dt && v_in.sizes() == k_in.sizes() && q_in.numel() < kMaxIndex &&
+              k_in.numel() < kMaxIndex && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.is_contiguous() &&
+              vc.is_contiguous();
+    if (ok) {
+        const int64_t B = q_in.size(0), T = q_in.size(1), D = q_in.size(3);
+        ok = k_in.size(0) == B && k_in.size(1) == T && k_in.size(3) == D && D % 2 == 0 &&
+             positions_ok(pos_in, B, T, &pos32) && qw_in.has_value() == kw_in.has_value() && cache_ok(kc, D, &dt_c) &&
+             cache_ok(vc, D, &dt_vc) && dt_vc == dt_c && kc.size(0) == B && kc.size(2) == k_in.size(2) &&
+             kc.size(1) < kMaxIndex;
+        if (ok && qw_in.has_value())
+            ok = qw_in->dim() == 1 && qw_in->size(0) == D && kw_in->dim() == 1 && kw_in->size(0) == D &&
+                 act(*qw_in, &dt_w) && act(*kw_in, &dt_kw) && dt_kw == dt_w;
+    }
+    if (!ok) {
+        static auto ref = ref_op<QkKvSig>("hanzo_ref::qk_norm_rope_kv_write");
+        return ref.call(q_in, k_in, v_in, qw_in, kw_in, kc, vc, pos_in, theta, eps);
+    }
+    if (q_in.size(3) > kQkKvMaxD) {
+        auto qk = qk_norm_rope_vk(q_in, k_in, qw_in, kw_in, pos_in, theta, eps);
+        kv_cache_write_vk(kc, vc, std::get<1>(qk), v_in, pos_in);
+        return std::get<0>(qk);
+    }
+    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), pos = pos_in.contiguous();
+    at::Tensor qo = at::empty_like(q);
+    const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), Hk = k.size(2), D = q.size(3);
+    const int64_t rows = B * T * (Hq + Hk);
+    if (rows == 0 || D == 0) return qo;
+    at::Tensor qw, kw;
+    if (qw_in.has_value()) {
+        qw = qw_in->contiguous();
+        kw = kw_in->contiguous();
+    }
+    const at::Tensor inv_freq = inv_freq_table(theta, D, q.device());
+    QkKvPush pc{addr(q), addr(k), addr(v), addr(qo), addr(kc), addr(vc), qw.defined() ? addr(qw) : 0,
+                kw.defined() ? addr(kw) : 0, addr(pos), addr(inv_freq), static_cast<uint32_t>(B * T),
+                static_cast<uint32_t>(T), static_cast<uint32_t>(kc.size(1)), static_cast<uint32_t>(Hq),
+                static_cast<uint32_t>(Hk), static_cast<uint32_t>(D), dt, dt_w, dt_c, pos32, qw.defined() ? 1u : 0u,
+                static_cast<float>(eps)};
+    dispatch_groups("qk_norm_rope_kv_write", &pc, sizeof(pc), rows);
+    return qo;
+}
+
+// ---------------------------------------------------------------------------------------------
 // attention
 // ---------------------------------------------------------------------------------------------
 struct AttnPush {
@@ -433,6 +504,7 @@ TORCH_LIBRARY_IMPL(hanzo, PrivateUse1, m) {
     m.impl("qk_norm_rope", TORCH_FN(qk_norm_rope_vk));
     m.impl("swiglu", TORCH_FN(swiglu_vk));
     m.impl("kv_cache_write", TORCH_FN(kv_cache_write_vk));
+    m.impl("qk_norm_rope_kv_write", TORCH_FN(qk_norm_rope_kv_write_vk));
     m.impl("attention", TORCH_FN(attention_vk));
     m.impl("moe_route", TORCH_FN(moe_route_vk));
 }

@@ -16,9 +16,10 @@
 // mul_mat_id (decode: one workgroup per output value of a (token, slot) pair; from
 // kIdGroupedPairs pairs on, the pairs sorted by expert on the device by mul_mat_id_sort, then one
 // workgroup per output column and chunk of sorted pairs, each weight run read once per expert of
-// the chunk), and swiglu_mul_mat (the
-// SwiGLU epilogue after the two projections). Ids are read on the device, never on the host: an
-// id out of range gives NaN in its output row (the ops stay asynchronous).
+// the chunk), swiglu_mul_mat (the SwiGLU epilogue after the two projections) and
+// swiglu_mul_mat_vec (the float gate and up mat-vecs of one format and the epilogue in one
+// dispatch, for up to kMatVecRows rows). Ids are read on the device, never on the host: an id out
+// of range gives NaN in its output row (the ops stay asynchronous).
 //
 // int8 path of mul_mat (and of swiglu_mul_mat's projections): the activation rows are quantized
 // on the device to ggml q8_1 blocks (quantize_q8_1.comp, bit-exact with the op's reference), then
@@ -337,6 +338,18 @@ struct SwigluPush {
   uint32_t n, round_dtype, out_dtype;
 };
 
+// Push constants of swiglu_mul_mat_vec.comp.
+struct SwigluVecPush {
+  uint64_t wg, wu, x, y, table;
+  uint32_t N, K, M, row_bytes, x_stride, y_stride, x_dtype, y_dtype, round_dtype;
+};
+
+// Decode-sized swiglu_mul_mat with gate and up of one format on the float path (not int8):
+// one dispatch of swiglu_mul_mat_vec (both mat-vecs and the epilogue) instead of three (true: in
+// effect).
+// hanzo_vulkan::swiglu_mul_mat_fused switches it off in process, for an A/B against the three.
+std::atomic<bool> g_swiglu_fused{true};
+
 at::Tensor swiglu_mul_mat_vk(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, c10::string_view qg,
                              c10::string_view qu) {
   const Fmt *fg = nullptr, *fu = nullptr;
@@ -351,6 +364,18 @@ at::Tensor swiglu_mul_mat_vk(const at::Tensor& x, const at::Tensor& wg, const at
   if (M == 0 || F == 0) return rows_to(y, x, F);
   if (K == 0) return rows_to(y.zero_(), x, F);  // silu(0) * 0
   const at::Tensor x2 = x.reshape({M, K}).contiguous();
+  const uint32_t dt = (uint32_t)dtype_code(x.scalar_type());
+  if (M <= kMatVecRows && qg == qu && !int8_for(qg, K) && g_swiglu_fused.load(std::memory_order_relaxed)) {
+    TORCH_CHECK(F <= UINT32_MAX && K <= UINT32_MAX && wg.size(1) <= UINT32_MAX,
+                "hanzo vulkan swiglu_mul_mat: weight too large");
+    const at::Tensor wgc = wg.contiguous(), wuc = wu.contiguous();
+    SwigluVecPush p{address(wgc), address(wuc), address(x2), address(y), fg->table_address(), (uint32_t)F, (uint32_t)K,
+                    (uint32_t)M, (uint32_t)wg.size(1), (uint32_t)K, (uint32_t)F, dt, dt, dt};
+    uint32_t gx, gy;
+    split_groups(F, gx, gy);
+    dispatch(pipeline(spv("swiglu_mul_mat_vec", qg)), &p, sizeof(p), gx, gy);
+    return rows_to(y, x, F);
+  }
   at::Tensor g = at::empty({M, F}, x.options().dtype(at::kFloat));
   at::Tensor u = at::empty({M, F}, x.options().dtype(at::kFloat));
   // the q8_1 activations of an int8 projection, quantized once for both and before them
@@ -362,7 +387,6 @@ at::Tensor swiglu_mul_mat_vk(const at::Tensor& x, const at::Tensor& wg, const at
   }
   const int64_t n = M * F;
   TORCH_CHECK(n <= UINT32_MAX, "hanzo vulkan swiglu_mul_mat: output too large");
-  const uint32_t dt = (uint32_t)dtype_code(x.scalar_type());
   SwigluPush p{address(g), address(u), address(y), (uint32_t)n, dt, dt};
   const int64_t groups = (n + 255) / 256;
   dispatch(pipeline("swiglu_mul_mat"), &p, sizeof(p), (uint32_t)std::min<int64_t>(groups, kMaxGroups),
@@ -521,6 +545,9 @@ TORCH_LIBRARY_FRAGMENT(hanzo_vulkan, m) {
   m.def("quant_formats() -> str[]", [] { return hz::vk::quant::configured_formats(); });
   m.def("quant_set_int8(int mode) -> int", &hz::vk::quant::set_int8);
   m.def("quant_int8_formats() -> str[]", [] { return hz::vk::quant::int8_formats(); });
+  // swiglu_mul_mat's one-dispatch mat-vec path on or off; returns the previous setting
+  m.def("swiglu_mul_mat_fused(bool enabled) -> bool",
+        [](bool enabled) { return hz::vk::quant::g_swiglu_fused.exchange(enabled); });
 }
 
 TORCH_LIBRARY_IMPL(hanzo, PrivateUse1, m) {

@@ -58,7 +58,7 @@ class Block(nn.Module):
         self.attn_q = Linear(H, Hq * D, bias=args.qkv_bias)
         self.attn_k = Linear(H, Hk * D, bias=args.qkv_bias)
         self.attn_v = Linear(H, Hk * D, bias=args.qkv_bias)
-        if args.qk_norm:  # applied by hanzo::qk_norm_rope, fused with RoPE
+        if args.qk_norm:  # applied by hanzo::qk_norm_rope_kv_write, fused with RoPE
             self.attn_q_norm = RMSNorm(D, eps)
             self.attn_k_norm = RMSNorm(D, eps)
         self.attn_output = Linear(Hq * D, H)
@@ -92,9 +92,9 @@ class Block(nn.Module):
         k = self.attn_k(x).view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hk, D]
         v = self.attn_v(x).view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hk, D]
         q_w, k_w = (self.attn_q_norm.weight, self.attn_k_norm.weight) if a.qk_norm else (None, None)
-        q, k = hanzo.qk_norm_rope(q, k, q_w, k_w, positions, a.rope_theta, a.norm_eps)
         k_cache, v_cache = self._buffers["k_cache"], self._buffers["v_cache"]
-        hanzo.kv_cache_write(k_cache, v_cache, k, v, positions)
+        # q/k norm + RoPE, and the rotated k and v written into the caches, in one op
+        q = hanzo.qk_norm_rope_kv_write(q, k, v, q_w, k_w, k_cache, v_cache, positions, a.rope_theta, a.norm_eps)
         o = hanzo.attention(q, k_cache, v_cache, positions, 1.0 / math.sqrt(a.head_dim), self.attn_impl)
         return self.attn_output(o.reshape(B, T, a.n_head * a.head_dim))  # [B, T, H]
 

@@ -1,4 +1,5 @@
-"""Fused transformer ops: MoE routing, RMSNorm (+add), q/k-norm + RoPE, SwiGLU, KV-cache write, attention.
+"""Fused transformer ops: MoE routing, RMSNorm (+add), q/k-norm + RoPE (+ KV-cache write), SwiGLU,
+KV-cache write, attention.
 
 Each op is a ``torch.library`` custom op in namespace ``hanzo`` with a fake kernel and a
 vectorized-torch reference that runs on any device; a backend's kernel registered on the
@@ -26,6 +27,7 @@ __all__ = [
     "qk_norm_rope_reference",
     "swiglu_reference",
     "kv_cache_write_reference",
+    "qk_norm_rope_kv_write_reference",
     "attention_reference",
     "ATTENTION_IMPLS",
     "KV_CACHE_DTYPES",
@@ -179,8 +181,8 @@ def _(x, residual, w, eps):
 # ----------------------------------------------------------------------------------------------
 # qk_norm_rope
 # ----------------------------------------------------------------------------------------------
-def _check_qk(q: Tensor, k: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor], positions: Tensor) -> None:
-    op = "qk_norm_rope"
+def _check_qk(q: Tensor, k: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor], positions: Tensor,
+              op: str = "qk_norm_rope") -> None:
     _check(q.dim() == 4 and k.dim() == 4, op, lambda: f"q and k must be [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}")
     _check_float(q, op, "q")
     _check(k.dtype == q.dtype, op, lambda: f"q and k dtypes differ: {q.dtype}, {k.dtype}")
@@ -345,8 +347,8 @@ def _cache_kind(cache: Tensor) -> str:
     return "q8_0 (uint8)" if cache.dtype == torch.uint8 else str(cache.dtype)
 
 
-def _check_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
-    op = "kv_cache_write"
+def _check_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+              op: str = "kv_cache_write") -> None:
     _check_caches(op, k_cache, v_cache)
     _check(k.dim() == 4 and k.shape == v.shape, op, lambda: f"k and v must be [B, T, Hk, D] of one shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     _check_float(k, op, "k")
@@ -410,6 +412,60 @@ def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, posit
 def _(k_cache, v_cache, k, v, positions):
     _check_kv(k_cache, v_cache, k, v, positions)
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# qk_norm_rope_kv_write
+# ----------------------------------------------------------------------------------------------
+def _check_qk_kv(q, k, v, q_w, k_w, k_cache, v_cache, positions) -> None:
+    op = "qk_norm_rope_kv_write"
+    _check_qk(q, k, q_w, k_w, positions, op)
+    _check_kv(k_cache, v_cache, k, v, positions, op)
+
+
+def qk_norm_rope_kv_write_reference(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta: float,
+                                    eps: float) -> Tensor:
+    """:func:`qk_norm_rope_reference` then :func:`kv_cache_write_reference` of the rotated k and of v;
+    returns the rotated q."""
+    q, k = qk_norm_rope_reference(q, k, q_w, k_w, positions, theta, eps)
+    kv_cache_write_reference(k_cache, v_cache, k, v, positions)
+    return q
+
+
+@torch.library.custom_op("hanzo::qk_norm_rope_kv_write", mutates_args=("k_cache", "v_cache"))
+def qk_norm_rope_kv_write(q: Tensor, k: Tensor, v: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor],
+                          k_cache: Tensor, v_cache: Tensor, positions: Tensor, theta: float, eps: float) -> Tensor:
+    """:func:`qk_norm_rope` and :func:`kv_cache_write` of its rotated keys in one op (one kernel
+    launch where the backend has a fused kernel): the attention block's step between the q/k/v
+    projections and ``attention``.
+
+    Args:
+        q: ``[B, T, Hq, D]``; k, v: ``[B, T, Hk, D]`` (one float dtype: f32/f16/bf16).
+        q_w, k_w: ``[D]`` per-head RMSNorm weights of q and k, or both None (Qwen2: RoPE only).
+        k_cache, v_cache: ``[B, S, Hk, D]`` caches of one dtype (float32, float16, bfloat16) or
+            q8_0 blocks ``uint8 [B, S, Hk, D/32*34]`` (:data:`KV_CACHE_DTYPES`), written in place.
+        positions: integer ``[B, T]`` token positions (the RoPE angles and the cache slots), each
+            in ``[0, S)``; read on the device (no host sync).
+        theta: RoPE base (``rope.freq_base``).
+        eps: RMSNorm epsilon.
+
+    Returns:
+        The rotated q ``[B, T, Hq, D]`` in q's dtype. ``k_cache[b, positions[b, t]]`` receives the
+        normalized, rotated ``k[b, t]`` rounded to q's dtype and then converted to the cache's
+        type, ``v_cache`` receives ``v[b, t]``: the same bits as ``qk_norm_rope`` followed by
+        ``kv_cache_write``.
+
+    Raises:
+        ValueError: shape/dtype mismatch, or (on CPU) a position outside the cache.
+    """
+    return _dispatcher.default("qk_norm_rope_kv_write", q.device.type, _qk_norm_rope_kv_write_checked, q, k, v, q_w,
+                               k_w, k_cache, v_cache, positions, theta, eps)
+
+
+@qk_norm_rope_kv_write.register_fake
+def _(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps):
+    _check_qk_kv(q, k, v, q_w, k_w, k_cache, v_cache, positions)
+    return torch.empty_like(q)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -550,6 +606,12 @@ def _swiglu_checked(gate, up):
     return swiglu_reference(gate, up)
 
 
+def _qk_norm_rope_kv_write_checked(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps):
+    _check_qk_kv(q, k, v, q_w, k_w, k_cache, v_cache, positions)
+    _check_positions_in_range("qk_norm_rope_kv_write", positions, k_cache.shape[1])
+    return qk_norm_rope_kv_write_reference(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps)
+
+
 def _attention_checked(q, k_cache, v_cache, positions, scale, impl):
     _check_attention(q, k_cache, v_cache, positions, impl)
     _check_positions_in_range("attention", positions, k_cache.shape[1])
@@ -562,7 +624,8 @@ def _kv_cache_write_checked(k_cache, v_cache, k, v, positions):
     kv_cache_write_reference(k_cache, v_cache, k, v, positions)
 
 
-for _name in ("moe_route", "rms_norm", "add_rms_norm", "qk_norm_rope", "swiglu", "kv_cache_write", "attention"):
+for _name in ("moe_route", "rms_norm", "add_rms_norm", "qk_norm_rope", "swiglu", "kv_cache_write",
+              "qk_norm_rope_kv_write", "attention"):
     _dispatcher.define_reference_op(_name, globals()[f"_{_name}_checked"])
 
 _CHECKS = {
@@ -572,6 +635,8 @@ _CHECKS = {
     "qk_norm_rope": lambda q, k, q_w, k_w, positions, theta, eps: _check_qk(q, k, q_w, k_w, positions),
     "swiglu": lambda gate, up: _check_swiglu(gate, up),
     "kv_cache_write": lambda k_cache, v_cache, k, v, positions: _check_kv(k_cache, v_cache, k, v, positions),
+    "qk_norm_rope_kv_write": lambda q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps: _check_qk_kv(
+        q, k, v, q_w, k_w, k_cache, v_cache, positions),
     "attention": lambda q, k_cache, v_cache, positions, scale, impl: _check_attention(q, k_cache, v_cache, positions, impl),
 }
 

@@ -20,8 +20,9 @@ Kernels (one generic C++ body per contraction, instantiated per format trait and
     ``mul_mat_id``  the same, per expert, on the rows routed to it (tokens grouped by expert).
     ``get_rows``    per-row dequantization (float32, then cast).
     ``dequantize``  whole-tensor dequantization, parallel over rows (bit-identical to gguf).
-    fused ops       rms_norm, add_rms_norm, qk_norm_rope, swiglu, kv_cache_write, attention and
-                    moe_route (csrc/cpu/fused.cpp, registered by :mod:`.fused`).
+    fused ops       rms_norm, add_rms_norm, qk_norm_rope, swiglu, kv_cache_write,
+                    qk_norm_rope_kv_write, attention and moe_route (csrc/cpu/fused.cpp, registered
+                    by :mod:`.fused`).
 Instruction sets, chosen at run time from the CPU: ``avx512`` (AVX-512 VL/BW + VNNI),
 ``avx2`` (AVX2 + FMA + F16C), ``scalar`` (portable C++). ``HANZO_CPU_ISA=scalar|avx2|avx512``
 forces one (for tests and A/B); ``HANZO_MUL_MAT_FALLBACK=1`` etc. select the torch reference.

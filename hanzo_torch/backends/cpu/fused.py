@@ -13,6 +13,8 @@ Maths (float32 whatever the input dtype; one rounding to the input dtype at the 
         ``inv_freq``/angle arithmetic.
     kv_cache_write: caches f32/f16/bf16 or q8_0 blocks (uint8), whatever k/v's dtype: a copy
         when the dtypes match, else per row a rounding to nearest even or ggml's q8_0 quantizer.
+    qk_norm_rope_kv_write: the two kernels above in one call (the rotated k rounded to the
+        activation dtype before the cache write, as the two ops give it): bit-identical to them.
     attention: one query token (T = 1, decode): per (batch, token, KV head, chunk of 256 keys
         of ``0..position``) each key and value row is read and converted to float32 once for the
         G query heads of the group; chunks run on separate threads and are merged by their
@@ -43,10 +45,11 @@ from torch import Tensor
 
 from ...ops import fused as _ref
 
-__all__ = ["rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route", "OPS",
-           "ATTENTION_PREFILL_PATHS", "use_attention_prefill"]
+__all__ = ["rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "qk_norm_rope_kv_write", "attention",
+           "moe_route", "OPS", "ATTENTION_PREFILL_PATHS", "use_attention_prefill"]
 
-OPS = ("rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "attention", "moe_route")
+OPS = ("rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "qk_norm_rope_kv_write", "attention",
+       "moe_route")
 
 
 def _kernel(name: str):
@@ -84,6 +87,14 @@ def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, posit
         _ref.kv_cache_write_reference(k_cache, v_cache, k, v, positions)
         return
     op(k_cache, v_cache, k, v, positions)
+
+
+def qk_norm_rope_kv_write(q: Tensor, k: Tensor, v: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor],
+                          k_cache: Tensor, v_cache: Tensor, positions: Tensor, theta: float, eps: float) -> Tensor:
+    op = _kernel("qk_norm_rope_kv_write")
+    if op is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return _ref.qk_norm_rope_kv_write_reference(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps)
+    return op(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps)
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, scale: float,

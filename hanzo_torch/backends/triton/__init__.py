@@ -3,7 +3,7 @@
 Kernels: ``dequantize``, ``get_rows``, ``mul_mat`` (decode mat-vec and prefill GEMM),
 ``mul_mat_id`` (decode over all routed slots in one launch; prefill grouped by expert on the
 device), ``quantize_q8_1``, ``rms_norm``, ``add_rms_norm``, ``swiglu``, ``qk_norm_rope``,
-``moe_route``, ``kv_cache_write``, ``attention``. The quantized ones are generic over the ggml
+``moe_route``, ``kv_cache_write``, ``qk_norm_rope_kv_write``, ``attention``. The quantized ones are generic over the ggml
 format through :mod:`.formats` (one unpack rule per format, selected by a ``tl.constexpr``).
 
 Importing this package never fails: without triton or without a CUDA/HIP device
@@ -23,7 +23,7 @@ REASON: Optional[str] = None
 
 QUANT_OPS = ("dequantize", "get_rows", "mul_mat", "mul_mat_id")
 PLAIN_OPS = ("quantize_q8_1", "rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "moe_route",
-             "kv_cache_write", "attention")
+             "kv_cache_write", "qk_norm_rope_kv_write", "attention")
 
 
 def kernels() -> dict:
@@ -69,6 +69,10 @@ def _fits(op: str, args) -> bool:
     return True
 
 
+_PARTS = {"qk_norm_rope_kv_write": ("qk_norm_rope", "kv_cache_write")}
+"""Ops that compose others: one of the parts in reference mode runs the whole op's reference."""
+
+
 def wrap(op: str, fn, fmts: frozenset):
     """``fn`` as a dispatcher kernel: reference mode and formats without a rule go to
     ``torch.ops.hanzo_ref.<op>`` (one warning per format); otherwise the op's checks, then ``fn``."""
@@ -81,7 +85,8 @@ def wrap(op: str, fn, fmts: frozenset):
     warned: set = set()
 
     def kernel(*args):
-        if _dispatch.reference_enabled(op) or not _fits(op, args):
+        parts_ref = any(_dispatch.reference_enabled(p) for p in _PARTS.get(op, ()))
+        if _dispatch.reference_enabled(op) or parts_ref or not _fits(op, args):
             return ref(*args)
         for q in _format_args(op, args):
             if q.upper() not in fmts:

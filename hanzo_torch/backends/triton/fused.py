@@ -1,5 +1,5 @@
 """Triton kernels of the fused ops: rms_norm, add_rms_norm, swiglu, qk_norm_rope, moe_route,
-kv_cache_write, attention.
+kv_cache_write, qk_norm_rope_kv_write (the two before it, composed), attention.
 
 The wrappers have the signatures of the ``hanzo`` ops (docs/ARCHITECTURE.md, references in
 :mod:`hanzo_torch.ops.fused`) and are registered for device type ``"cuda"`` by
@@ -268,6 +268,24 @@ def kv_cache_write(k_cache, v_cache, k, v, positions) -> None:
     _kv_write_kernel[(B * T, triton.cdiv(HD, BLOCK))](k_cache, v_cache, k.contiguous(), v.contiguous(),
                                                       positions.contiguous(), T, S,
                                                       k_cache.stride(0), k_cache.stride(1), HD, BLOCK=BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------
+# qk_norm_rope_kv_write
+
+def qk_norm_rope_kv_write(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta: float, eps: float) -> torch.Tensor:
+    """Triton ``hanzo::qk_norm_rope_kv_write``: :func:`qk_norm_rope`, then :func:`kv_cache_write` of
+    the rotated k and of v (two launches; caches of another dtype than the activations, e.g.
+    q8_0, are written by the torch reference, as ``hanzo::kv_cache_write`` does here).
+    Returns the rotated q."""
+    qo, ko = qk_norm_rope(q, k, q_w, k_w, positions, theta, eps)
+    if k_cache.dtype == ko.dtype:
+        kv_cache_write(k_cache, v_cache, ko, v, positions)
+    else:
+        from ...ops.fused import kv_cache_write_reference
+
+        kv_cache_write_reference(k_cache, v_cache, ko, v, positions)
+    return qo
 
 
 # ---------------------------------------------------------------------------------------------
