@@ -12,6 +12,7 @@ layout(push_constant) uniform Push {
 } p;
 
 shared float red[FZ_WG];
+#include "wg_sum.glsl"
 
 void main() {
     const uint row = fz_group_index();
@@ -29,13 +30,7 @@ void main() {
 #endif
         acc += v * v;
     }
-    red[tid] = acc;
-    barrier();
-    for (uint k = FZ_WG / 2u; k > 0u; k >>= 1) {
-        if (tid < k) red[tid] += red[tid + k];
-        barrier();
-    }
-    const float inv = 1.0 / sqrt(red[0] / float(H) + p.eps);
+    const float inv = 1.0 / sqrt(fz_workgroup_sum(acc) / float(H) + p.eps);
     for (uint i = tid; i < H; i += FZ_WG) {
 #ifdef FZ_ADD
         // this invocation stored s[i] above

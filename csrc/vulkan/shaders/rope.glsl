@@ -2,6 +2,7 @@
 // qk_norm_rope_kv_write.comp so that both give the same bits. The includer defines FZ_WG (the
 // workgroup size) and declares `shared float red[FZ_WG]`; every invocation of the workgroup calls
 // fz_row_inv_rms (it has barriers).
+#include "wg_sum.glsl"
 
 // sin and cos of a float32 angle: x = n * pi/2 + r, with pi/2 in four parts, the first three of
 // 8 significant bits, so that n * part is exact (|n| < 2^16, angles below ~1e5) and each
@@ -31,13 +32,7 @@ float fz_row_inv_rms(uint64_t src, uint dt, uint D, float eps) {
         const float v = fz_load(src, dt, i);
         acc += v * v;
     }
-    red[tid] = acc;
-    barrier();
-    for (uint k = FZ_WG / 2u; k > 0u; k >>= 1) {
-        if (tid < k) red[tid] += red[tid + k];
-        barrier();
-    }
-    return 1.0 / sqrt(red[0] / float(D) + eps);
+    return 1.0 / sqrt(fz_workgroup_sum(acc) / float(D) + eps);
 }
 
 // Pair (i, i + D/2) of the row at src, normalized (norm: (x * inv) * w, w of dtype dt_w) and
