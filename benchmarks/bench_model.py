@@ -181,11 +181,14 @@ class LlamaCpp:
             t0 = time.perf_counter()
             llm.eval(ids)
             return row.n / (time.perf_counter() - t0)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        def last_logits():  # Llama.scores is not filled without logits_all: read the context's own
+            return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+        tok = int(np.argmax(last_logits()))
         t0 = time.perf_counter()
         for _ in range(row.n):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(last_logits()))
         return row.n / (time.perf_counter() - t0)
 
 
