@@ -339,8 +339,8 @@ def status() -> dict:
     f = ext.features()
     st = {"available": True, "reason": None, "formats": formats(),
           "device": f"{f['device_name']} ({f['device_type']}, Vulkan {f['api_version']}, {f['driver_name']})",
-          "subgroup": f["subgroup_size"], "fp16": f["float16"], "int8_dot": f["int8_dot_accelerated"],
-          "bf16": f["bfloat16"], "native_ops": len(ext.native_ops())}
+          "subgroup": f["subgroup_size"], "fp16": f["float16"], "int8_dot": f["int8_dot"],
+          "int8_dot_accelerated": f["int8_dot_accelerated"], "bf16": f["bfloat16"], "native_ops": len(ext.native_ops())}
     if _shader_errors:
         st["shader_errors"] = sorted(_shader_errors)
     return st
