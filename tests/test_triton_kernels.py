@@ -306,21 +306,27 @@ def test_int8_decode_mul_mat_id_and_bf16(tk, monkeypatch):
     assert ((yb[0].float() - ref).abs() <= ref.abs() * 2.0 ** -7).all()
 
 
-def test_decode_path_table(tk, monkeypatch):
-    monkeypatch.delenv("HANZO_TRITON_DECODE")
-    for name in tk.formats.GROUP_LEN:
-        assert tk.quant.DECODE_PATH[name] in ("int8", "f32"), name
-        assert tk.quant._decode_int8(name) == (tk.quant.DECODE_PATH[name] == "int8")
-    assert not tk.quant._decode_int8("F16")  # dense formats: no grouped rule, f32 path
-    calls = []
-    real = tk.quant._matvec_q8_kernel
+def _count_launches(monkeypatch, module, name: str) -> list:
+    """Wrap the Triton kernel ``module.name`` so each launch (``kernel[grid](...)``) appends its grid
+    to the returned list, then runs the real kernel."""
+    calls, real = [], getattr(module, name)
 
     class Spy:
         def __getitem__(self, grid):
             calls.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(tk.quant, "_matvec_q8_kernel", Spy())
+    monkeypatch.setattr(module, name, Spy())
+    return calls
+
+
+def test_decode_path_table(tk, monkeypatch):
+    monkeypatch.delenv("HANZO_TRITON_DECODE")
+    for name in tk.formats.GROUP_LEN:
+        assert tk.quant.DECODE_PATH[name] in ("int8", "f32"), name
+        assert tk.quant._decode_int8(name) == (tk.quant.DECODE_PATH[name] == "int8")
+    assert not tk.quant._decode_int8("F16")  # dense formats: no grouped rule, f32 path
+    calls = _count_launches(monkeypatch, tk.quant, "_matvec_q8_kernel")
     w = random_packed("Q4_K", (8, 256), seed=1)
     x = torch.randn(1, 256)
     monkeypatch.setitem(tk.quant.DECODE_PATH, "Q4_K", "f32")
@@ -377,15 +383,7 @@ def test_kv_cache_write_skips_out_of_range_positions(tk):
 def test_attention_split_decode_numeric(tk, dtype, T, G, monkeypatch):
     # flash-decoding split over keys (chunks of 32 here), merged by the combine kernel
     monkeypatch.setattr(tk.fused, "ATTN_SPLIT_CHUNK", 32)
-    combines = []
-    real = tk.fused._attention_combine_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            combines.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(tk.fused, "_attention_combine_kernel", Spy())
+    combines = _count_launches(monkeypatch, tk.fused, "_attention_combine_kernel")
     g = torch.Generator().manual_seed(19 + T)
     B, S, Hk, D = 2, 150, 2, 16
     q = torch.randn(B, T, Hk * G, D, generator=g).to(dtype)
@@ -410,15 +408,7 @@ def _wrapped(tk):
 
 
 def test_registered_kernel_routes_reference_mode(tk, monkeypatch):
-    calls = []
-    real = tk.quant._matvec_grouped_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(tk.quant, "_matvec_grouped_kernel", Spy())
+    calls = _count_launches(monkeypatch, tk.quant, "_matvec_grouped_kernel")
     mul_mat = _wrapped(tk)["mul_mat"]
     w = random_packed("Q6_K", (6, 256), seed=17)
     x = torch.randn(1, 256)
@@ -435,15 +425,7 @@ def test_registered_kernel_routes_reference_mode(tk, monkeypatch):
 def test_swiglu_mul_mat_decode_launches_the_fused_kernel_once(tk, monkeypatch):
     """The registered swiglu_mul_mat kernel (checks, format routing, then the kernel) launches the
     fused grouped mat-vec once for a decode call; the wrapper's own checks name the mismatch."""
-    calls = []
-    real = tk.ffn._swiglu_matvec_grouped_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(tk.ffn, "_swiglu_matvec_grouped_kernel", Spy())
+    calls = _count_launches(monkeypatch, tk.ffn, "_swiglu_matvec_grouped_kernel")
     kernel = _wrapped(tk)["swiglu_mul_mat"]
     wg, wu = random_packed("Q4_K", (24, 256), seed=11), random_packed("Q6_K", (24, 256), seed=12)
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(13))
