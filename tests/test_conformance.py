@@ -9,9 +9,10 @@ textbook float64 compositions in tests/test_ops_fused.py and tests/test_ops_ffn.
 Backends:
 - ``cpu-<isa>`` for every instruction set this CPU runs (scalar, avx2, avx512, avx512-sim): the C++
   kernels through ``torch.ops.hanzo`` (the CPU dispatch key), with the ISA set in process.
-  ``cpu-avx512-sim`` (the AVX-512 kernel source through SIMDe's AVX-512 intrinsics, on AVX2) runs
-  the contraction ops by default, the only ones whose code differs from ``cpu-avx2``; its other
-  ops run with ``-m slow``;
+  ``cpu-avx512-sim`` is the AVX-512 kernel source built for AVX2 with SIMDe's AVX-512 intrinsics
+  (where the SIMDe headers were installed at build time): the gate of that source on CPUs without
+  AVX-512. Only its contractions (mul_mat, mul_mat_id, swiglu_mul_mat) run code of their own; its
+  other ops run the avx2 code again, which costs ~2 s;
 - ``triton-interp``: the Triton kernels as registered on the CUDA key (checks, format routing,
   kernel), on CPU tensors under ``TRITON_INTERPRET=1``. The interpreter must be chosen before triton
   is imported, so the parent test runs this file again in a child process with
@@ -83,9 +84,7 @@ class Backend:
       names fewer to stay fast; its other formats get the decode and GEMM cases);
     - ``interpreted``: its kernels run in an interpreter (seconds per call): the sweeps take their
       smaller cases (fewer rows, one impl name per kernel, the small attention shapes), and the
-      tail, extreme-byte and gate+up sweeps run on the first three ``edge_formats`` only;
-    - ``default_ops``: the ops whose tests run in the default suite; the others are marked ``slow``
-      (a simulated instruction set whose other ops run the same code as a native one). None: all.
+      tail, extreme-byte and gate+up sweeps run on the first three ``edge_formats`` only.
     """
 
     name: str
@@ -99,7 +98,6 @@ class Backend:
     gemm_k_panel: Optional[int] = None
     edge_formats: Optional[tuple] = None
     interpreted: bool = False
-    default_ops: Optional[frozenset] = None
 
     def edge(self, qtype: str) -> bool:
         return self.edge_formats is None or qtype in self.edge_formats
@@ -129,11 +127,8 @@ def _cpu_backend(isa: str) -> Backend:
         with cpu.use_isa(isa), hanzo_torch.ops.use_reference(op, enabled=False):
             return getattr(torch.ops.hanzo, op)(*args)
 
-    # a simulated level differs from its native base only in the format kernels' contractions
-    simulated = cpu._ISA_BY_NAME[isa] in cpu.SIMULATED_ISAS
     return Backend(f"cpu-{isa}", run, tuple(cpu.formats()), dtypes=(torch.float32, torch.bfloat16, torch.float16),
-                   matvec_max_rows=cpu.MV_MAX_ROWS, x_hat=_cpu_x_hat, host_index_errors=True, gemm_k_panel=2048,
-                   default_ops=frozenset(CONTRACTION_OPS) if simulated else None)
+                   matvec_max_rows=cpu.MV_MAX_ROWS, x_hat=_cpu_x_hat, host_index_errors=True, gemm_k_panel=2048)
 
 
 def _q8_1_values(x):
@@ -172,9 +167,6 @@ def _triton_backend() -> Backend:
 
 
 TRITON_MORE = ("Q2_K", "IQ1_S", "IQ4_XS", "TQ2_0")
-
-
-CONTRACTION_OPS = ("mul_mat", "mul_mat_id", "swiglu_mul_mat")
 
 
 _IN_PLACE = {"kv_cache_write": (0, 1), "qk_norm_rope_kv_write": (5, 6)}
@@ -383,27 +375,17 @@ TOLERANCE = {
 """The tolerance of each op, for every backend (see the module docstring)."""
 
 
-def _marks(backend, op):
-    """``slow`` for an op outside the backend's ``default_ops``."""
-    return [pytest.mark.slow] if backend.default_ops is not None and op not in backend.default_ops else []
-
-
-def _params(op, formats_of, backends=None):
-    return [pytest.param(b, q, id=f"{b.name}-{q}", marks=_marks(b, op)) for b in (BACKENDS if backends is None else backends)
+def _params(formats_of, backends=None):
+    return [pytest.param(b, q, id=f"{b.name}-{q}") for b in (BACKENDS if backends is None else backends)
             for q in formats_of(b)]
-
-
-def _each(op):
-    return [pytest.param(b, id=b.name, marks=_marks(b, op)) for b in BACKENDS]
 
 
 def _dense_and(b):
     return list(b.formats) + (["F16"] if b.name.startswith("cpu") else [])
 
 
-def _fused_params(op):
-    return [pytest.param(b, d, id=f"{b.name}-{str(d).split('.')[-1]}", marks=_marks(b, op)) for b in BACKENDS
-            for d in b.dtypes]
+def _fused_params():
+    return [pytest.param(b, d, id=f"{b.name}-{str(d).split('.')[-1]}") for b in BACKENDS for d in b.dtypes]
 
 
 def _dequant(w, qtype, shape):
@@ -433,7 +415,7 @@ def _random_bytes(qtype, rows, K, seed):
     return torch.randint(0, 256, (rows, fmt.row_bytes(K)), dtype=torch.uint8, generator=_g("bytes", qtype, seed))
 
 
-@pytest.mark.parametrize("backend,qtype", _params("dequantize", lambda b: b.formats))
+@pytest.mark.parametrize("backend,qtype", _params(lambda b: b.formats))
 def test_dequantize(backend, qtype):
     K = 2 * max(get_format(qtype).block_size, 32 if backend.interpreted else 256)
     for w in (random_packed(qtype, (5, K), seed=1), _random_bytes(qtype, 5, K, 1)):
@@ -447,7 +429,7 @@ def test_dequantize(backend, qtype):
         (_exact if backend.rounds_to_nearest else _close)(got, want, dtype)
 
 
-@pytest.mark.parametrize("backend,qtype", _params("get_rows", lambda b: b.formats))
+@pytest.mark.parametrize("backend,qtype", _params(lambda b: b.formats))
 def test_get_rows(backend, qtype):
     K = max(get_format(qtype).block_size, 256)
     w = random_packed(qtype, (10, K), seed=2)
@@ -462,7 +444,7 @@ def test_get_rows(backend, qtype):
                           torch.ops.hanzo_ref.get_rows(w, ids32, qtype, torch.float32))
 
 
-@pytest.mark.parametrize("backend,qtype", _params("mul_mat", _dense_and, CONTRACTION_BACKENDS))
+@pytest.mark.parametrize("backend,qtype", _params(_dense_and, CONTRACTION_BACKENDS))
 def test_mul_mat(backend, qtype):
     """Every M around the crossover, K past one 2048-value panel (a K tail), N = 7 (a ragged tile),
     and a [2, 3, K] input in every activation dtype."""
@@ -484,7 +466,7 @@ def test_mul_mat(backend, qtype):
                              wf, qtype, f"{qtype} {dtype}")
 
 
-@pytest.mark.parametrize("backend,qtype", _params("mul_mat", lambda b: [q for q in b.formats if b.sweep(q)], CONTRACTION_BACKENDS))
+@pytest.mark.parametrize("backend,qtype", _params(lambda b: [q for q in b.formats if b.sweep(q)], CONTRACTION_BACKENDS))
 def test_mul_mat_row_and_block_tails(backend, qtype):
     """Decode with 3 and 7 blocks per row (a one-block tail; a 4-block step and a tail) and N = 1,
     2, 5, 8 rows (one row, one pair, pairs and a tail), one and two activation rows."""
@@ -517,7 +499,7 @@ def _filled(qtype, rows, K, byte):
 
 
 @pytest.mark.parametrize("backend,qtype",
-                         _params("mul_mat", lambda b: [q for q in b.formats if b.sweep(q) and _filled(q, 1, 256, 0) is not None],
+                         _params(lambda b: [q for q in b.formats if b.sweep(q) and _filled(q, 1, 256, 0) is not None],
                                  CONTRACTION_BACKENDS))
 def test_mul_mat_extreme_values(backend, qtype):
     """Saturated int8 activations (|xq| = 127 everywhere) against all-0x00/0x80/0xFF/0x7F weight
@@ -537,7 +519,7 @@ def test_mul_mat_extreme_values(backend, qtype):
                                  x[m:m + 1], wf, qtype, f"{qtype} byte={byte:#x} x{m}", floor=floor)
 
 
-@pytest.mark.parametrize("backend,qtype", _params("mul_mat_id", lambda b: b.formats))
+@pytest.mark.parametrize("backend,qtype", _params(lambda b: b.formats))
 def test_mul_mat_id(backend, qtype):
     """Decode-sized (T = 4) and GEMM-sized (T = 12: more rows per expert than a mat-vec takes)
     routing, x shared by the k slots or one per slot, an expert chosen twice by one token."""
@@ -572,10 +554,10 @@ def _swiglu_mm_params():
     for b in CONTRACTION_BACKENDS:
         for q in [q for q in b.formats if b.sweep(q)]:
             up = "Q6_K" if "Q6_K" in b.formats else q
-            out.append(pytest.param(b, q, up, id=f"{b.name}-{q}+{up}", marks=_marks(b, "swiglu_mul_mat")))
+            out.append(pytest.param(b, q, up, id=f"{b.name}-{q}+{up}"))
         for qg, qu in (("Q4_K", "Q4_K"), ("Q8_0", "Q5_0"), ("IQ2_XXS", "Q2_K"), ("F16", "Q4_0"), ("BF16", "F32")):
             if qg in b.formats and qu in b.formats:
-                out.append(pytest.param(b, qg, qu, id=f"{b.name}-{qg}+{qu}", marks=_marks(b, "swiglu_mul_mat")))
+                out.append(pytest.param(b, qg, qu, id=f"{b.name}-{qg}+{qu}"))
     return out
 
 
@@ -613,7 +595,7 @@ def test_swiglu_mul_mat(backend, qtype, up):
 
 
 # ---------------------------------------------------------------------------------------------- fused ops
-@pytest.mark.parametrize("backend,dtype", _fused_params("rms_norm"))
+@pytest.mark.parametrize("backend,dtype", _fused_params())
 def test_rms_norm_and_add_rms_norm(backend, dtype):
     """Odd, width-1, empty, model-sized and longer-than-one-block rows; a non-contiguous input."""
     for shape in [(1, 1536), (3, 5, 67), (2, 1), (0, 8), (2, 5000)]:
@@ -632,7 +614,7 @@ def test_rms_norm_and_add_rms_norm(backend, dtype):
         TOLERANCE["add_rms_norm"](y, y0, dtype)
 
 
-@pytest.mark.parametrize("backend,dtype", _fused_params("swiglu"))
+@pytest.mark.parametrize("backend,dtype", _fused_params())
 def test_swiglu(backend, dtype):
     for shape in [(1, 8960), (3, 7, 33), (200, 1001), (3, 70)]:
         a = _randn(*shape, key=("swa", shape), dtype=dtype, scale=4)
@@ -640,7 +622,7 @@ def test_swiglu(backend, dtype):
         TOLERANCE["swiglu"](backend.run("swiglu", a, b), _ref("swiglu", a, b), dtype)
 
 
-@pytest.mark.parametrize("backend,dtype", _fused_params("qk_norm_rope"))
+@pytest.mark.parametrize("backend,dtype", _fused_params())
 def test_qk_norm_rope(backend, dtype):
     """Head dims 128, 10 (odd half) and 64, GQA 6/1/4, one token to 70, positions up to 5000, with
     and without the q/k norms."""
@@ -658,7 +640,7 @@ def test_qk_norm_rope(backend, dtype):
                 TOLERANCE["qk_norm_rope"](a, b, dtype)
 
 
-@pytest.mark.parametrize("backend", _each("moe_route"))
+@pytest.mark.parametrize("backend", BACKENDS, ids=_IDS)
 def test_moe_route(backend):
     """k = 1..4, normalized or not; all-tied rows (ids 0..k-1), a tie at the top (lower id first)."""
     for dtype in backend.dtypes:
@@ -679,16 +661,16 @@ KNOWN_BUGS = {
 """Known disagreements with the reference, as strict xfails: each fails the suite once fixed."""
 
 
-def _known(test, backends, op):
+def _known(test, backends):
     out = []
     for b in backends:
         reason = KNOWN_BUGS.get((test, b.name))
-        marks = ([pytest.mark.xfail(strict=True, reason=reason)] if reason else []) + _marks(b, op)
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
         out.append(pytest.param(b, id=b.name, marks=marks))
     return out
 
 
-@pytest.mark.parametrize("backend", _known("test_moe_route_nan_row", BACKENDS, "moe_route"))
+@pytest.mark.parametrize("backend", _known("test_moe_route_nan_row", BACKENDS))
 def test_moe_route_nan_row(backend):
     """A row of NaN logits (one NaN is enough): every weight NaN, ids in index order 0..k-1."""
     logits = _randn(4, 60, key="route-nan", scale=3)
@@ -748,7 +730,7 @@ def _q8_1_edge_rows() -> torch.Tensor:
     return x.reshape(-1, 256)
 
 
-@pytest.mark.parametrize("backend", _known("test_quantize_q8_1", BACKENDS, "quantize_q8_1"))
+@pytest.mark.parametrize("backend", _known("test_quantize_q8_1", BACKENDS))
 def test_quantize_q8_1(backend):
     """Bit for bit the reference's bytes: random blocks over the whole float range, exact .5 ties
     and their neighbours, zero blocks, subnormal and tiny blocks, the largest floats, inf and NaN;
@@ -773,11 +755,11 @@ def _kv_cache(x, kv):
     return ref_fused.kv_to_cache(x, ref_fused.KV_CACHE_DTYPES[kv]).contiguous()
 
 
-def _kv_params(op):
-    return [pytest.param(b, kv, id=f"{b.name}-{kv}", marks=_marks(b, op)) for b in BACKENDS for kv in KV_DTYPES]
+def _kv_params():
+    return [pytest.param(b, kv, id=f"{b.name}-{kv}") for b in BACKENDS for kv in KV_DTYPES]
 
 
-@pytest.mark.parametrize("backend,kv", _kv_params("kv_cache_write"))
+@pytest.mark.parametrize("backend,kv", _kv_params())
 def test_kv_cache_write(backend, kv):
     """Rows in every activation dtype into caches of every cache dtype, positions out of order and
     at the cache end: bit-identical to the reference (q8_0 rows are ggml's quantize_row_q8_0_ref);
@@ -823,7 +805,7 @@ _QK_KV = [
 ]
 
 
-@pytest.mark.parametrize("backend,kv", _kv_params("qk_norm_rope_kv_write"))
+@pytest.mark.parametrize("backend,kv", _kv_params())
 def test_qk_norm_rope_kv_write(backend, kv):
     """q/k norm + RoPE + KV-cache write in one op, for Qwen2 (no norm) and Qwen3, every activation
     dtype, decode and prompts with gaps: q and the caches against the references (k rows within
@@ -896,7 +878,7 @@ def _attention_inputs(c, dtype, kv=None, seed=0):
     return q, kc, vc, torch.as_tensor(c["positions"])
 
 
-@pytest.mark.parametrize("backend,dtype", _fused_params("attention"))
+@pytest.mark.parametrize("backend,dtype", _fused_params())
 def test_attention(backend, dtype):
     """Decode, prefill and chunked prefill (every case above, eager/flash/auto)."""
     for c in _ATTENTION[:4] if backend.interpreted else _ATTENTION:
@@ -907,7 +889,7 @@ def test_attention(backend, dtype):
                                    _ref("attention", q, kc, vc, pos, scale, impl), dtype)
 
 
-@pytest.mark.parametrize("backend,kv", _kv_params("attention"))
+@pytest.mark.parametrize("backend,kv", _kv_params())
 def test_attention_cache_dtypes(backend, kv):
     """Caches of every cache dtype whatever the query dtype (decode with several key chunks to
     merge, prefill tiles): both sides read the same cache bytes as float32."""
@@ -923,7 +905,7 @@ def test_attention_cache_dtypes(backend, kv):
                                        _ref("attention", q, kc, vc, pos, 0.1, impl), dtype)
 
 
-@pytest.mark.parametrize("backend", _each("attention"))
+@pytest.mark.parametrize("backend", BACKENDS, ids=_IDS)
 def test_attention_prefill_equals_decode_and_ignores_later_slots(backend):
     """A prompt at once and token by token agree; garbage (NaN, 1e30) in slots past each query's
     position changes nothing, in decode and in prefill."""

@@ -188,6 +188,21 @@ def test_avx512_sim_level_is_built_where_simde_is_installed(ext):
             ext.mul_mat(torch.randn(1, 256), random_blocks("Q4_K", 1, 256, seed=1), int(GT.Q4_K), level, 8)
 
 
+def test_missing_isa_levels_name_their_reason():
+    """An extension built without the SIMDe headers (its avx512-sim unit a stub) on an AVX2 CPU."""
+    class StubExt:
+        def supported_isas(self):
+            return [0, 1]
+
+        def isa_built(self, level):
+            return level != 3
+
+    missing = hcpu._isa_missing(StubExt())
+    assert set(missing) == {"avx512", "avx512-sim"}
+    assert "AVX-512" in missing["avx512"] and hcpu.SIMDE_HEADER in missing["avx512-sim"]
+    assert "libsimde-dev" in missing["avx512-sim"]
+
+
 def test_simulated_isa_is_never_the_default_but_can_be_forced(ext):
     levels = ext.supported_isas()
     assert hcpu._choose_isa("") not in hcpu.SIMULATED_ISAS

@@ -321,7 +321,8 @@ def _choose_isa(forced: str) -> int:
             raise ValueError(f"HANZO_CPU_ISA={forced!r}: expected one of {', '.join(_ISA_BY_NAME)}")
         level = _ISA_BY_NAME[forced]
         if level not in levels:
-            raise ValueError(f"HANZO_CPU_ISA={forced!r}: this CPU supports only {[ISA_NAMES[i] for i in levels]}")
+            raise ValueError(f"HANZO_CPU_ISA={forced!r}: {_isa_missing(ext).get(forced, 'not offered')}; "
+                             f"this machine runs only {[ISA_NAMES[i] for i in levels]}")
         return level
     for level in sorted(set(levels) - SIMULATED_ISAS, reverse=True):
         if level == 0 or _self_check(ext, level):
@@ -527,7 +528,8 @@ def use_isa(isa: str):
         raise RuntimeError(f"the C++ CPU kernels are not available: {_failed}")
     level = _isa(isa)
     if level not in ext.supported_isas():
-        raise ValueError(f"this CPU does not run {isa}; it runs {', '.join(isa_levels())}")
+        raise ValueError(f"{isa} is not offered here ({_isa_missing(ext).get(ISA_NAMES.get(level, ''), 'unknown level')}); "
+                         f"this machine runs {', '.join(isa_levels())}")
     ext.set_isa(level)
     try:
         yield
