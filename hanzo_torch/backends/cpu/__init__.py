@@ -65,7 +65,7 @@ __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
 SIMULATED_ISAS = frozenset({3})
-"""Levels that emulate another instruction set (slow, for tests): never the default choice."""
+"""Levels that emulate another instruction set (for tests): never the default choice."""
 SIMDE_HEADER = "simde/x86/avx512.h"
 
 MV_MAX_ROWS = 5
@@ -242,6 +242,7 @@ def isa_levels() -> list[str]:
 
 
 _levels_cache: Optional[list] = None
+_missing_cache: dict = {}
 _isa_checked: dict = {}
 
 
@@ -314,6 +315,7 @@ def _choose_isa(forced: str) -> int:
     ext = extension()
     if _levels_cache is None:
         _levels_cache = list(ext.supported_isas())
+        _missing_cache.update(_isa_missing(ext))
     levels = _levels_cache
     forced = forced.strip().lower()
     if forced:
@@ -321,8 +323,8 @@ def _choose_isa(forced: str) -> int:
             raise ValueError(f"HANZO_CPU_ISA={forced!r}: expected one of {', '.join(_ISA_BY_NAME)}")
         level = _ISA_BY_NAME[forced]
         if level not in levels:
-            raise ValueError(f"HANZO_CPU_ISA={forced!r}: {_isa_missing(ext).get(forced, 'not offered')}; "
-                             f"this machine runs only {[ISA_NAMES[i] for i in levels]}")
+            why = _missing_cache.get(forced, "not offered")
+            raise ValueError(f"HANZO_CPU_ISA={forced!r}: {why}; this machine runs only {[ISA_NAMES[i] for i in levels]}")
         return level
     for level in sorted(set(levels) - SIMULATED_ISAS, reverse=True):
         if level == 0 or _self_check(ext, level):
