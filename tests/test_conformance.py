@@ -7,8 +7,12 @@ declared once, in :data:`TOLERANCE`, and applies to every backend. The oracle is
 textbook float64 compositions in tests/test_ops_fused.py and tests/test_ops_ffn.py).
 
 Backends:
-- ``cpu-<isa>`` for every instruction set this CPU runs (scalar, avx2, avx512): the C++ kernels
-  through ``torch.ops.hanzo`` (the CPU dispatch key), with the ISA set in process;
+- ``cpu-<isa>`` for every instruction set this CPU runs (scalar, avx2, avx512, avx512-sim): the C++
+  kernels through ``torch.ops.hanzo`` (the CPU dispatch key), with the ISA set in process.
+  ``cpu-avx512-sim`` is the AVX-512 kernel source built for AVX2 with SIMDe's AVX-512 intrinsics
+  (where the SIMDe headers were installed at build time): the gate of that source on CPUs without
+  AVX-512. Only its contractions (mul_mat, mul_mat_id, swiglu_mul_mat) run code of their own; its
+  other ops run the avx2 code again, which costs ~2 s;
 - ``triton-interp``: the Triton kernels as registered on the CUDA key (checks, format routing,
   kernel), on CPU tensors under ``TRITON_INTERPRET=1``. The interpreter must be chosen before triton
   is imported, so the parent test runs this file again in a child process with

@@ -15,6 +15,8 @@ of 1e-2..1 of that scale, i.e. >= 1000x the tolerance (test_conformance's
 test_tolerances_reject_real_bugs shows one).
 """
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -166,6 +168,53 @@ def test_forced_isa_env(ext, monkeypatch):
     with pytest.raises(ValueError, match="HANZO_CPU_ISA"):
         hcpu._choose_isa("sse9")
     assert hcpu._choose_isa("scalar") == 0
+
+
+def test_avx512_sim_level_is_built_where_simde_is_installed(ext):
+    """The avx512-sim level is the only run of the AVX-512 kernel source on an AVX2 machine: where
+    the SIMDe headers are installed (CI installs libsimde-dev) it must be built and offered, so the
+    gate cannot vanish silently; where they are not, status() says why it is missing."""
+    simde = Path("/usr/include") / hcpu.SIMDE_HEADER
+    level = hcpu._ISA_BY_NAME["avx512-sim"]
+    missing = hcpu.status()["isa_missing"]
+    if simde.is_file() or hcpu._simde_header() is not None:
+        assert ext.isa_built(level), f"{simde} is installed but the extension was built without avx512-sim"
+        if 1 in ext.supported_isas():
+            assert "avx512-sim" in hcpu.isa_levels() and "avx512-sim" not in missing
+    else:
+        assert not ext.isa_built(level) and "avx512-sim" not in hcpu.isa_levels()
+        assert "SIMDe" in missing["avx512-sim"]
+        with pytest.raises(RuntimeError, match="not built"):
+            ext.mul_mat(torch.randn(1, 256), random_blocks("Q4_K", 1, 256, seed=1), int(GT.Q4_K), level, 8)
+
+
+def test_missing_isa_levels_name_their_reason():
+    """An extension built without the SIMDe headers (its avx512-sim unit a stub) on an AVX2 CPU."""
+    class StubExt:
+        def supported_isas(self):
+            return [0, 1]
+
+        def isa_built(self, level):
+            return level != 3
+
+    missing = hcpu._isa_missing(StubExt())
+    assert set(missing) == {"avx512", "avx512-sim"}
+    assert "AVX-512" in missing["avx512"] and hcpu.SIMDE_HEADER in missing["avx512-sim"]
+    assert "libsimde-dev" in missing["avx512-sim"]
+
+
+def test_simulated_isa_is_never_the_default_but_can_be_forced(ext):
+    levels = ext.supported_isas()
+    assert hcpu._choose_isa("") not in hcpu.SIMULATED_ISAS
+    if 3 in levels:
+        assert hcpu._choose_isa("avx512-sim") == 3
+        with hcpu.use_isa("avx512-sim"):
+            w = random_blocks("Q4_K", 3, 512, seed=3)
+            x = torch.randn(9, 512)  # the GEMM path: 4x3 register tiles at level 2
+            assert torch.equal(torch.ops.hanzo.mul_mat(x, w, "Q4_K"), hcpu.mul_mat(x, w, "Q4_K", isa="avx512-sim"))
+    else:
+        with pytest.raises(ValueError, match="HANZO_CPU_ISA"):
+            hcpu._choose_isa("avx512-sim")
 
 
 def test_isa_self_check_passes_on_this_cpu(ext):

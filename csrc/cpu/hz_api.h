@@ -48,6 +48,9 @@ extern "C" {
 const HzIsa* hz_isa_scalar();
 const HzIsa* hz_isa_avx2();
 const HzIsa* hz_isa_avx512();
+// The AVX-512 kernels built for AVX2 with SIMDe's AVX-512 intrinsics (isa_avx512_sim.cpp); null when
+// the extension was built without the SIMDe headers.
+const HzIsa* hz_isa_avx512_sim();
 // Constant tables by HzTableSlot (the i-quant codebook grids, int8 rows), installed from the
 // format registry (set_table) before use.
 extern const int8_t* hz_tables[HZ_N_TABLES];
@@ -56,7 +59,7 @@ extern int64_t hz_prefetch_bytes;
 }
 
 #ifdef __cplusplus
-// The instruction set the registered kernels use (0 scalar, 1 avx2, 2 avx512), set by ops.cpp's
+// The instruction set the registered kernels use (0 scalar, 1 avx2, 2 avx512, 3 avx512-sim), set by ops.cpp's
 // configure/set_isa; the fused kernels (fused.cpp) pick their loops by it.
 extern std::atomic<int64_t> hz_active_isa;
 #endif

@@ -115,7 +115,12 @@ namespace {
 
 torch::Tensor g_tables[HZ_N_TABLES];  // keeps the installed tables alive
 
-// ISA levels: 0 scalar, 1 avx2 (+fma+f16c), 2 avx512 (vl, bw, vnni).
+// ISA levels: 0 scalar, 1 avx2 (+fma+f16c), 2 avx512 (vl, bw, vnni), 3 avx512-sim (the level-2
+// kernels built for AVX2 with SIMDe's AVX-512 intrinsics; present only when built with SIMDe).
+const int64_t kMaxIsa = 3;
+
+bool isa_built(int64_t level) { return level >= 0 && level <= kMaxIsa && (level != 3 || hz_isa_avx512_sim() != nullptr); }
+
 bool isa_supported(int64_t level) {
     __builtin_cpu_init();
     switch (level) {
@@ -124,14 +129,23 @@ bool isa_supported(int64_t level) {
         case 2:
             return isa_supported(1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+        case 3: return isa_supported(1) && isa_built(3);
         default: return false;
     }
 }
 
 const HzIsa* isa_table(int64_t level) {
-    TORCH_CHECK(level >= 0 && level <= 2, "hanzo cpu: unknown ISA level ", level, " (0 scalar, 1 avx2, 2 avx512)");
+    TORCH_CHECK(level >= 0 && level <= kMaxIsa, "hanzo cpu: unknown ISA level ", level,
+                " (0 scalar, 1 avx2, 2 avx512, 3 avx512-sim)");
+    TORCH_CHECK(isa_built(level), "hanzo cpu: ISA level ", level,
+                " (avx512-sim) is not built: the SIMDe headers (simde/x86/avx512.h) were absent at build time");
     TORCH_CHECK(isa_supported(level), "hanzo cpu: this CPU does not support ISA level ", level);
-    return level == 2 ? hz_isa_avx512() : level == 1 ? hz_isa_avx2() : hz_isa_scalar();
+    switch (level) {
+        case 3: return hz_isa_avx512_sim();
+        case 2: return hz_isa_avx512();
+        case 1: return hz_isa_avx2();
+        default: return hz_isa_scalar();
+    }
 }
 
 const HzFormatKernels& format_kernels(const HzIsa* isa, int64_t type_id) {
@@ -467,7 +481,7 @@ void set_table(int64_t slot, torch::Tensor table) {
 
 std::vector<int64_t> supported_isas() {
     std::vector<int64_t> r;
-    for (int64_t l = 0; l <= 2; ++l)
+    for (int64_t l = 0; l <= kMaxIsa; ++l)
         if (isa_supported(l)) r.push_back(l);
     return r;
 }
@@ -881,7 +895,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("dequantize_rows", &dequantize_rows, "packed [N,rb] -> [N,K] f32");
     m.def("quantize_activation", &quantize_activation, "x [M,K] -> int8 blocks (q, d, sums per 16)");
     m.def("set_table", &set_table, "install a constant table (i-quant grid) into its HzTableSlot");
-    m.def("supported_isas", &supported_isas, "ISA levels this CPU runs: 0 scalar, 1 avx2, 2 avx512");
+    m.def("supported_isas", &supported_isas, "ISA levels this CPU runs: 0 scalar, 1 avx2, 2 avx512, 3 avx512-sim");
+    m.def("isa_built", &isa_built, "whether ISA level l is compiled in (3, avx512-sim: only with the SIMDe headers)");
     m.def("set_prefetch_bytes", [](int64_t b) { hz_prefetch_bytes = b; }, "mat-vec software prefetch distance (bytes)");
     m.def("set_matvec_chunk_bytes", [](int64_t bytes, int64_t min_per_thread) { hz_mv_chunk_bytes = std::max<int64_t>(1, bytes); hz_mv_min_chunks = std::max<int64_t>(1, min_per_thread); },
           "mat-vec task size of the dynamic row split: bytes of weights per task, minimum tasks per thread (benchmark knob)",
@@ -915,7 +930,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("configure", &dispatch::configure, "set the formats ({name: type id}), the quantized formats lacking a "
           "kernel, ISA level and "
           "mat-vec row limit of the registered kernels");
-    m.def("set_isa", &dispatch::set_isa, "ISA level of the registered kernels: 0 scalar, 1 avx2, 2 avx512");
+    m.def("set_isa", &dispatch::set_isa, "ISA level of the registered kernels: 0 scalar, 1 avx2, 2 avx512, 3 avx512-sim");
     m.def("set_reference", &dispatch::set_reference, "reference mode of one hanzo op (its calls run hanzo_ref)");
     m.def("native_ops", &dispatch::native_ops, "the hanzo ops with a kernel on the CPU dispatch key");
     m.def("formats", &formats, "(ggml type id, block size, block bytes) of every format with a kernel");

@@ -24,8 +24,11 @@ Kernels (one generic C++ body per contraction, instantiated per format trait and
                     qk_norm_rope_kv_write, attention and moe_route (csrc/cpu/fused.cpp, registered
                     by :mod:`.fused`).
 Instruction sets, chosen at run time from the CPU: ``avx512`` (AVX-512 VL/BW + VNNI),
-``avx2`` (AVX2 + FMA + F16C), ``scalar`` (portable C++). ``HANZO_CPU_ISA=scalar|avx2|avx512``
-forces one (for tests and A/B); ``HANZO_MUL_MAT_FALLBACK=1`` etc. select the torch reference.
+``avx2`` (AVX2 + FMA + F16C), ``scalar`` (portable C++). ``avx512-sim`` is the ``avx512`` kernel
+source built for AVX2 with SIMDe's portable AVX-512 intrinsics (present when the SIMDe headers,
+``simde/x86/avx512.h``, were found at build time): it tests the AVX-512 code on AVX2 CPUs and is
+never chosen by default. ``HANZO_CPU_ISA=scalar|avx2|avx512|avx512-sim`` forces one (for tests
+and A/B); ``HANZO_MUL_MAT_FALLBACK=1`` etc. select the torch reference.
 
 Threads: torch's intra-op pool (``torch.set_num_threads``). Each parallel region of the kernels
 hands out tasks from a shared counter; an adaptive thread count runs the regions on the calling
@@ -59,8 +62,11 @@ __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats"]
 
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
+SIMULATED_ISAS = frozenset({3})
+"""Levels that emulate another instruction set (for tests): never the default choice."""
+SIMDE_HEADER = "simde/x86/avx512.h"
 
 MV_MAX_ROWS = 5
 """mul_mat uses the mat-vec kernel up to this many activation rows and the tiled GEMM above it
@@ -69,7 +75,7 @@ MV_MAX_ROWS = 5
 # A wheel ships the sources as hanzo_torch/_csrc (setup.py); a checkout has them in csrc/.
 _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
-_SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "fused.cpp")
+_SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_sim.cpp", "fused.cpp")
 _HEADERS = ("hz_api.h", "ggml_blocks.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_gemm.h",
             "threading.h")
 
@@ -116,7 +122,20 @@ def _source_hash() -> str:
     # same sources gets its own build folder (a shared one would rebuild silently on every switch)
     h.update(str(_SRC_DIR).encode())
     h.update(str(Path(torch.__file__).resolve().parent).encode())
+    # isa_avx512_sim.cpp builds to a stub without the SIMDe headers: installing them later gets a new build
+    h.update(str(_simde_header()).encode())
     return h.hexdigest()[:16]
+
+
+def _simde_header() -> Optional[Path]:
+    """The SIMDe AVX-512 header the compiler would find in its usual folders (``CPATH``,
+    ``CPLUS_INCLUDE_PATH``, /usr/local/include, /usr/include), or None."""
+    dirs = [d for var in ("CPLUS_INCLUDE_PATH", "CPATH") for d in os.environ.get(var, "").split(os.pathsep) if d]
+    for d in dirs + ["/usr/local/include", "/usr/include"]:
+        p = Path(d) / SIMDE_HEADER
+        if p.is_file():
+            return p
+    return None
 
 
 def _install_grids(ext) -> None:
@@ -215,12 +234,15 @@ def available() -> bool:
 
 
 def isa_levels() -> list[str]:
-    """Names of the instruction sets this CPU can run, e.g. ``["scalar", "avx2"]``."""
+    """Names of the instruction sets this CPU can run, e.g. ``["scalar", "avx2", "avx512-sim"]``
+    (``avx512-sim`` only when the extension was built with the SIMDe headers; :func:`status` says
+    why a level is absent)."""
     ext = extension()
     return [ISA_NAMES[i] for i in ext.supported_isas()] if ext is not None else []
 
 
 _levels_cache: Optional[list] = None
+_missing_cache: dict = {}
 _isa_checked: dict = {}
 
 
@@ -293,6 +315,7 @@ def _choose_isa(forced: str) -> int:
     ext = extension()
     if _levels_cache is None:
         _levels_cache = list(ext.supported_isas())
+        _missing_cache.update(_isa_missing(ext))
     levels = _levels_cache
     forced = forced.strip().lower()
     if forced:
@@ -300,9 +323,10 @@ def _choose_isa(forced: str) -> int:
             raise ValueError(f"HANZO_CPU_ISA={forced!r}: expected one of {', '.join(_ISA_BY_NAME)}")
         level = _ISA_BY_NAME[forced]
         if level not in levels:
-            raise ValueError(f"HANZO_CPU_ISA={forced!r}: this CPU supports only {[ISA_NAMES[i] for i in levels]}")
+            why = _missing_cache.get(forced, "not offered")
+            raise ValueError(f"HANZO_CPU_ISA={forced!r}: {why}; this machine runs only {[ISA_NAMES[i] for i in levels]}")
         return level
-    for level in sorted(levels, reverse=True):
+    for level in sorted(set(levels) - SIMULATED_ISAS, reverse=True):
         if level == 0 or _self_check(ext, level):
             return level
     return 0
@@ -339,7 +363,7 @@ def _reference(name: str):
 def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str, *, isa=None, mv_max_rows: Optional[int] = None) -> torch.Tensor:
     """``x [..., K] @ W^T -> [..., N]`` in ``x.dtype`` with ``W`` = ``w`` (uint8 ``[N, row_bytes]``) packed as ``qtype``.
 
-    ``isa``: None (best for this CPU / ``HANZO_CPU_ISA``), ``"scalar"``, ``"avx2"`` or ``"avx512"``.
+    ``isa``: None (best for this CPU / ``HANZO_CPU_ISA``), ``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"avx512-sim"``.
     ``mv_max_rows``: activation rows up to which the mat-vec kernel runs (default :data:`MV_MAX_ROWS`).
     Raises RuntimeError (from the C++ checks) on mismatched shapes or an unsupported ISA.
     """
@@ -466,18 +490,36 @@ def register() -> frozenset:
     return frozenset(ext.native_ops()) if ext is not None else frozenset()
 
 
+def _isa_missing(ext) -> dict:
+    """``{name: why}`` for each instruction set of :data:`ISA_NAMES` that this extension does not offer here."""
+    have = set(ext.supported_isas())
+    out = {}
+    for level, name in ISA_NAMES.items():
+        if level in have:
+            continue
+        if not ext.isa_built(level):
+            out[name] = (f"built without the SIMDe headers ({SIMDE_HEADER} not found at build time; "
+                         "Debian/Ubuntu: apt-get install libsimde-dev)")
+        elif level == 2:
+            out[name] = "this CPU lacks AVX-512 F/BW/VL/VNNI"
+        else:
+            out[name] = "this CPU lacks AVX2/FMA"
+    return out
+
+
 def status() -> dict:
-    """``{"available", "reason", "formats", "isa", "isa_levels"}`` of this backend (builds the extension)."""
+    """``{"available", "reason", "formats", "isa", "isa_levels", "isa_missing"}`` of this backend
+    (builds the extension); ``isa_missing`` maps each instruction set not offered here to the reason."""
     ext = extension()
     if ext is None:
         return {"available": False, "reason": _failed or "the C++ extension could not be built", "formats": ()}
     return {"available": True, "reason": None, "formats": formats(), "isa": ISA_NAMES[default_isa()],
-            "isa_levels": isa_levels()}
+            "isa_levels": isa_levels(), "isa_missing": _isa_missing(ext)}
 
 
 @contextlib.contextmanager
 def use_isa(isa: str):
-    """Run the registered CPU kernels with instruction set ``isa`` ("scalar", "avx2", "avx512") inside the block.
+    """Run the registered CPU kernels with instruction set ``isa`` ("scalar", "avx2", "avx512", "avx512-sim") inside the block.
 
     Raises:
         ValueError: unknown name, or an instruction set this CPU lacks.
@@ -488,7 +530,8 @@ def use_isa(isa: str):
         raise RuntimeError(f"the C++ CPU kernels are not available: {_failed}")
     level = _isa(isa)
     if level not in ext.supported_isas():
-        raise ValueError(f"this CPU does not run {isa}; it runs {', '.join(isa_levels())}")
+        raise ValueError(f"{isa} is not offered here ({_isa_missing(ext).get(ISA_NAMES.get(level, ''), 'unknown level')}); "
+                         f"this machine runs {', '.join(isa_levels())}")
     ext.set_isa(level)
     try:
         yield
