@@ -246,9 +246,20 @@ static void gemm_simd_pairs(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1
     free(qbuf); free(sbuf); free(ibuf); free(pbuf); free(dmbuf);
 }
 
+#if HZ_ISA >= 2
+#include "kernels_gemm512.h"
+#endif
+
 template <class T>
 static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
                       float* y, int64_t ldy) {
+#if HZ_ISA >= 2
+    if (hz_gemm512) {
+        if constexpr (T::QK == 32) gemm512_32<T>(W, rb, n0, n1, a, M, y, ldy);
+        else gemm512_k<T>(W, rb, n0, n1, a, M, y, ldy);
+        return;
+    }
+#endif
     // the min terms of blocks other than 32 values read 16 sums per block (xs + b * 16)
     static_assert(T::QK == 32 || T::QK == 256 || !Hooks<T>::HAS_MIN, "a min term needs 32- or 256-value blocks");
     if constexpr (T::QK != 32 && Hooks<T>::HAS_MIN && GemmMinRatio<T>::value == 0)

@@ -23,6 +23,7 @@
 extern "C" {
 const int8_t* hz_tables[HZ_N_TABLES] = {};
 int64_t hz_prefetch_bytes = 2048;  // 2-4 KiB measured best on Zen 3 (DRAM stream, 1 thread)
+int hz_gemm512 = 1;
 }
 // Mat-vec task size of the dynamic row split (RowSplit): 256 KiB of weights, at least
 // hz_mv_min_chunks tasks per thread. 32 KiB tasks cost 20-25%: each task restarts the weight
@@ -897,6 +898,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_table", &set_table, "install a constant table (i-quant grid) into its HzTableSlot");
     m.def("supported_isas", &supported_isas, "ISA levels this CPU runs: 0 scalar, 1 avx2, 2 avx512, 3 avx512-sim");
     m.def("isa_built", &isa_built, "whether ISA level l is compiled in (3, avx512-sim: only with the SIMDe headers)");
+    m.def("set_gemm512", [](bool on) { hz_gemm512 = on ? 1 : 0; }, "AVX-512 level: 512-bit GEMM kernels (true) or its 256-bit ones");
+    m.def("gemm512", []() { return hz_gemm512 != 0; }, "whether the AVX-512 level's GEMM uses its 512-bit kernels");
     m.def("set_prefetch_bytes", [](int64_t b) { hz_prefetch_bytes = b; }, "mat-vec software prefetch distance (bytes)");
     m.def("set_matvec_chunk_bytes", [](int64_t bytes, int64_t min_per_thread) { hz_mv_chunk_bytes = std::max<int64_t>(1, bytes); hz_mv_min_chunks = std::max<int64_t>(1, min_per_thread); },
           "mat-vec task size of the dynamic row split: bytes of weights per task, minimum tasks per thread (benchmark knob)",
