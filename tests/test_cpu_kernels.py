@@ -298,3 +298,22 @@ def test_gemm512_environment_variable(ext, monkeypatch):
         assert hcpu.gemm512()
     finally:
         hcpu.set_gemm512(wide)
+
+
+def test_gemm_blocking_knob(ext):
+    """The GEMM's M block only regroups rows: any value gives the same bits; a K panel that is not
+    a multiple of 256 values is refused."""
+    w = random_blocks("Q4_K", 7, 2304, seed=21)
+    x = torch.randn(70, 2304, generator=torch.Generator().manual_seed(22))
+    before = ext.gemm_blocking()
+    try:
+        outs = []
+        for mc in (1, 5, 64, 256):
+            ext.set_gemm_blocking(mc, before[1])
+            outs.append(hcpu.mul_mat(x, w, "Q4_K"))
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        with pytest.raises(RuntimeError, match="multiple of 256"):
+            ext.set_gemm_blocking(64, 1000)
+    finally:
+        ext.set_gemm_blocking(*before)
+    assert ext.gemm_blocking() == before

@@ -45,15 +45,15 @@ static void gemm512_k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
     constexpr bool FMIN = H::HAS_MIN && RATIO == 0;  // min as float FMAs
     static_assert(!FMIN || T::QK == 256, "a float min term reads 16 sums per 256-value block");
     const int64_t K = a->K, nb = K / T::QK;
-    const int64_t KB = hz_min<int64_t>(nb, HZ_KC / T::QK > 0 ? HZ_KC / T::QK : 1);
+    const int64_t KB = hz_min<int64_t>(nb, hz_gemm_kc / T::QK > 0 ? hz_gemm_kc / T::QK : 1);
     __m256i* qbuf = (__m256i*)aligned_alloc(64, sizeof(__m256i) * NR * KB * NC);
     __m256i* sbuf = (__m256i*)aligned_alloc(64, sizeof(__m256i) * NR * KB * NC);
     __m256i* ibuf = (__m256i*)aligned_alloc(64, sizeof(__m256i) * NR * KB);  // RATIO: int16 mn per 16
     __m512* mbuf = (__m512*)aligned_alloc(64, sizeof(__m512) * NR * KB);     // FMIN: dmin * mn per 16
     float* dbuf = (float*)aligned_alloc(64, sizeof(float) * ((NR * KB + 15) / 16 * 16));
     const __m512i zero = _mm512_setzero_si512();
-    for (int64_t mc = 0; mc < M; mc += HZ_MC) {
-        const int64_t me = hz_min<int64_t>(M, mc + HZ_MC);
+    for (int64_t mc = 0; mc < M; mc += hz_gemm_mc) {
+        const int64_t me = hz_min<int64_t>(M, mc + hz_gemm_mc);
         for (int64_t kp = 0; kp < nb; kp += KB) {
             const int64_t kb = hz_min<int64_t>(KB, nb - kp);
             for (int64_t nt = n0; nt < n1; nt += NR) {
@@ -147,15 +147,15 @@ static void gemm512_32(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, con
     constexpr bool FMIN = H::HAS_MIN && OFF == 0;  // Q4_1, Q5_1: the min as float FMAs
     static_assert(!(H::SIGNED && H::HAS_MIN), "a signed 32-value format with a min term");
     const int64_t K = a->K, nb = K / 32;
-    const int64_t KB = hz_min<int64_t>(nb, HZ_KC / 32);
+    const int64_t KB = hz_min<int64_t>(nb, hz_gemm_kc / 32);
     const int64_t KP = (KB + 1) / 2;  // block pairs per panel
     __m256i* qbuf = (__m256i*)aligned_alloc(64, sizeof(__m256i) * NR * KP * 2);
     __m512* dvbuf = (__m512*)aligned_alloc(64, sizeof(__m512) * NR * KP);  // [d_b x8 | d_b+1 x8]
     __m512* mvbuf = (__m512*)aligned_alloc(64, sizeof(__m512) * NR * KP);  // FMIN: [dmin_b, 0 x7 | dmin_b+1, 0 x7]
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const __m512i zero = _mm512_setzero_si512();
-    for (int64_t mc = 0; mc < M; mc += HZ_MC) {
-        const int64_t me = hz_min<int64_t>(M, mc + HZ_MC);
+    for (int64_t mc = 0; mc < M; mc += hz_gemm_mc) {
+        const int64_t me = hz_min<int64_t>(M, mc + hz_gemm_mc);
         for (int64_t kp = 0; kp < nb; kp += KB) {
             const int64_t kb = hz_min<int64_t>(KB, nb - kp), kpairs = (kb + 1) / 2;
             for (int64_t nt = n0; nt < n1; nt += NR) {
