@@ -48,7 +48,7 @@ static void gemm512_k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
     const int64_t KB = hz_min<int64_t>(nb, hz_gemm_kc / T::QK > 0 ? hz_gemm_kc / T::QK : 1);
     __m256i* qbuf = (__m256i*)aligned_alloc(64, sizeof(__m256i) * NR * KB * NC);
     __m256i* sbuf = (__m256i*)aligned_alloc(64, sizeof(__m256i) * NR * KB * NC);
-    __m256i* ibuf = (__m256i*)aligned_alloc(64, sizeof(__m256i) * NR * KB);  // RATIO: int16 mn per 16
+    __m256i* ibuf = (__m256i*)aligned_alloc(64, sizeof(__m256i) * ((NR * KB + 1) / 2 * 2));  // RATIO: int16 mn per 16
     __m512* mbuf = (__m512*)aligned_alloc(64, sizeof(__m512) * NR * KB);     // FMIN: dmin * mn per 16
     float* dbuf = (float*)aligned_alloc(64, sizeof(float) * ((NR * KB + 15) / 16 * 16));
     const __m512i zero = _mm512_setzero_si512();

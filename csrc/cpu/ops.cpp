@@ -130,7 +130,8 @@ bool isa_supported(int64_t level) {
         case 1: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         case 2:
             return isa_supported(1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                   __builtin_cpu_supports("avx512vnni");
         case 3: return isa_supported(1) && isa_built(3);
         default: return false;
     }

@@ -515,7 +515,7 @@ def _isa_missing(ext) -> dict:
             out[name] = (f"built without the SIMDe headers ({SIMDE_HEADER} not found at build time; "
                          "Debian/Ubuntu: apt-get install libsimde-dev)")
         elif level == 2:
-            out[name] = "this CPU lacks AVX-512 F/BW/VL/VNNI"
+            out[name] = "this CPU lacks AVX-512 F/BW/VL/DQ/VNNI"
         else:
             out[name] = "this CPU lacks AVX2/FMA"
     return out
