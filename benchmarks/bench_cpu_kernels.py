@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--shape", default="8960,1536", help="N,K of the mat-vec / GEMM weight")
     ap.add_argument("--gemm-m", default="128,512")
     ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--gemm512-ab", action="store_true",
+                    help="avx512 levels: GEMM with the 512-bit tiles and with the 256-bit ones (HANZO_CPU_GEMM512), alternated")
     ap.add_argument("--median", action="store_true", help="median instead of min over repetitions")
     ap.add_argument("--rounds", type=int, default=3, help="bandwidth + mat-vec rounds (median and range reported)")
     ap.add_argument("--prefetch", type=int, default=None, help="mat-vec software prefetch distance, bytes")
@@ -133,9 +135,17 @@ def main() -> None:
         xf, wf = torch.randn(ms[-1], K), torch.randn(N, K)
         s = timeit(lambda: xf @ wf.T, reps=3)
         print(f"GEMM GFLOP/s, W [{N}, {K}]; torch f32 matmul M={ms[-1]}: {2 * ms[-1] * N * K / s / 1e9:.1f}")
-        print(f"{'format':8s} " + " ".join(f"{'M=' + str(m):>8s}" for m in ms))
+        ab = args.gemm512_ab and isa.startswith("avx512")
+        variants = (True, False) if ab else (hcpu.gemm512(),)
+        print(f"{'format':8s} " + " ".join(f"{'M=' + str(m) + (' zmm' if v else ' ymm') * ab:>12s}" for m in ms for v in variants))
         for q in args.formats.split(","):
-            print(f"{q:8s} " + " ".join(f"{bench_gemm(q, m, N, K, isa):8.1f}" for m in ms))
+            cells = []
+            for m in ms:
+                for v in variants:  # alternated per cell, so drift hits both alike
+                    hcpu.set_gemm512(v)
+                    cells.append(f"{bench_gemm(q, m, N, K, isa):12.1f}")
+            print(f"{q:8s} " + " ".join(cells))
+        hcpu.set_gemm512(True)
 
 
 if __name__ == "__main__":

@@ -242,3 +242,78 @@ def test_build_failure_warns_once_and_runs_the_reference(ext, monkeypatch):
         _w.simplefilter("error")  # the second call does not warn again
         assert torch.equal(hcpu.get_rows(w, torch.tensor([2]), "Q4_K", torch.float32),
                            quant.get_rows_reference(w, torch.tensor([2]), "Q4_K", torch.float32))
+
+
+def _avx512_level():
+    """The level that runs the AVX-512 source here: native, else simulated, else None."""
+    names = hcpu.isa_levels()
+    return "avx512" if "avx512" in names else "avx512-sim" if "avx512-sim" in names else None
+
+
+@pytest.mark.parametrize("qtype,K", [("Q4_0", 2080), ("Q8_0", 96), ("Q4_1", 2080), ("Q5_0", 32), ("IQ4_NL", 2080),
+                                     ("Q4_K", 2304), ("Q6_K", 512), ("Q3_K", 2304), ("Q2_K", 512), ("IQ4_XS", 512)])
+def test_gemm512_against_its_256_bit_twin(ext, qtype, K):
+    """The AVX-512 level's 512-bit GEMM (vpdpbusd for 32-value blocks, offsets and mins folded into
+    the int32 sums) against the same level's 256-bit GEMM (HANZO_CPU_GEMM512=0), which gives the
+    AVX2 kernels' bits: the same int8 products, another float summation order, so within a few
+    float32 roundings of |x_hat| @ |W|^T. K: an odd last 32-value block of a 2048-value panel
+    (2080), one block pair (96 = 3 blocks: a lone last block), a single block (32)."""
+    level = _avx512_level()
+    if level is None:
+        pytest.skip("no AVX-512 level here (no AVX-512 CPU, and the extension was built without SIMDe)")
+    N, M = 7, 13  # ragged register tiles in both directions (4 x 3)
+    w = random_blocks(qtype, N, K, seed=11)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(12))
+    wide = hcpu.gemm512()
+    try:
+        hcpu.set_gemm512(False)
+        y256 = hcpu.mul_mat(x, w, qtype, isa=level)
+        hcpu.set_gemm512(True)
+        y512 = hcpu.mul_mat(x, w, qtype, isa=level)
+    finally:
+        hcpu.set_gemm512(wide)
+    if "avx2" in hcpu.isa_levels():
+        assert torch.equal(y256, hcpu.mul_mat(x, w, qtype, isa="avx2"))
+    wf = quant.dequantize(w, qtype, [N, K], torch.float32).double()
+    qa = gguf.GGML_QUANT_SIZES[GT[qtype]][0]  # the kernels quantize x in blocks of the weight's block size
+    xq, xd, _ = ext.quantize_activation(x, qa, 0)
+    xh = (xq.double().reshape(M, -1, qa) * xd.double().reshape(M, -1, 1)).reshape(M, K)
+    bound = 1e-5 * (xh.abs() @ wf.abs().t()) + 1e-30
+    assert ((y512.double() - xh @ wf.t()).abs() <= bound).all()
+    assert not torch.equal(y512, torch.zeros_like(y512))
+
+
+def test_gemm512_environment_variable(ext, monkeypatch):
+    wide = hcpu.gemm512()
+    try:
+        for value, on in (("0", False), ("1", True), ("", True)):
+            monkeypatch.setenv("HANZO_CPU_GEMM512", value)
+            hcpu._configure(ext)
+            assert hcpu.gemm512() is on, value
+        monkeypatch.setenv("HANZO_CPU_GEMM512", "wide")
+        with pytest.raises(ValueError, match="HANZO_CPU_GEMM512"):
+            hcpu.check_environment()
+        with pytest.warns(RuntimeWarning, match="HANZO_CPU_GEMM512"):
+            hcpu._configure(ext)
+        assert hcpu.gemm512()
+    finally:
+        hcpu.set_gemm512(wide)
+
+
+def test_gemm_blocking_knob(ext):
+    """The GEMM's M block only regroups rows: any value gives the same bits; a K panel that is not
+    a multiple of 256 values is refused."""
+    w = random_blocks("Q4_K", 7, 2304, seed=21)
+    x = torch.randn(70, 2304, generator=torch.Generator().manual_seed(22))
+    before = ext.gemm_blocking()
+    try:
+        outs = []
+        for mc in (1, 5, 64, 256):
+            ext.set_gemm_blocking(mc, before[1])
+            outs.append(hcpu.mul_mat(x, w, "Q4_K"))
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        with pytest.raises(RuntimeError, match="multiple of 256"):
+            ext.set_gemm_blocking(64, 1000)
+    finally:
+        ext.set_gemm_blocking(*before)
+    assert ext.gemm_blocking() == before

@@ -205,3 +205,35 @@ def test_cli_kv_dtype_flag():
     assert build_parser().parse_args(["bench", "--kv-dtype", "f32"]).kv_dtype == "f32"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--kv-dtype", "f64"])
+
+
+@pytest.mark.parametrize("T", [40, 33])  # pieces 16+16+8, and 16+16+1 (a one-token last piece)
+def test_prompt_in_pieces_matches_one_pass(tiny_qwen3, T):
+    """A prompt longer than ``ubatch`` runs in pieces, each attending to the keys/values the earlier
+    pieces wrote: the logits of every position agree with one pass to float32 rounding (1e-4 of
+    the largest logit: the pieces change only the attention kernels' tiling and the GEMM's row
+    tiles), the greedy continuation is the same, and ``last_only`` gives the last row."""
+    prompt = torch.randint(0, 1000, (1, T), generator=g(7))
+    model = hanzo_torch.load(tiny_qwen3, max_context=64)
+    assert model.ubatch == model.UBATCH
+    outs = {}
+    for ub in (None, 16):
+        model.ubatch = ub
+        model.reset()
+        with torch.inference_mode():
+            outs[ub] = model(prompt)
+        outs[(ub, "greedy")] = _greedy(model, prompt, 6)[0]
+        model.reset()
+        with torch.inference_mode():
+            outs[(ub, "last")] = model(prompt, last_only=True)
+    assert outs[None].shape == outs[16].shape == (1, T, outs[None].shape[-1])
+    assert err(outs[16], outs[None]) < 1e-4
+    assert outs[(16, "greedy")] == outs[(None, "greedy")]
+    assert outs[(16, "last")].shape == (1, 1, outs[None].shape[-1])
+    assert err(outs[(16, "last")][:, 0], outs[16][:, -1]) < 1e-6
+    for bad in (-1, 2.5, True):
+        model.ubatch = bad
+        model.reset()
+        with pytest.raises(ValueError, match="ubatch"):
+            model(prompt[:, :20])
+        assert model.seq_len == 0  # refused before any state changed

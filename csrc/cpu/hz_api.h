@@ -56,6 +56,10 @@ const HzIsa* hz_isa_avx512_sim();
 extern const int8_t* hz_tables[HZ_N_TABLES];
 // Software prefetch distance of the mat-vec weight stream, bytes (tuned, see ops.cpp).
 extern int64_t hz_prefetch_bytes;
+// 1: the AVX-512 level's GEMM uses its 512-bit kernels (kernels_gemm512.h); 0: its 256-bit ones.
+extern int hz_gemm512;
+// GEMM cache blocking: K panel in values (a multiple of 256) and M block in rows (see ops.cpp).
+extern int64_t hz_gemm_kc, hz_gemm_mc;
 }
 
 #ifdef __cplusplus

@@ -1,7 +1,7 @@
 // AVX-512 (VL/BW) + VNNI instantiation on 256-bit vectors: vpdpwssd fuses the scale multiply
 // and accumulate of the int8 dot, and 32 vector registers allow a 4x3 GEMM register tile
 // (HZ_GEMM_MR x HZ_GEMM_NR, kernels_gemm.h; AVX2: 3x3). This unit compiles everywhere but runs only
-// where the CPU reports avx512f/bw/vl/vnni; isa_avx512_sim.cpp builds the same source with SIMDe's
+// where the CPU reports avx512f/bw/vl/dq/vnni; isa_avx512_sim.cpp builds the same source with SIMDe's
 // AVX-512 intrinsics, so that its logic is tested on AVX2 CPUs too.
 #pragma GCC target("avx2,fma,f16c,bmi2,popcnt,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #include <immintrin.h>

@@ -25,8 +25,8 @@
 #define HZ_GEMM_MR 3
 #define HZ_GEMM_NR 3
 #endif
-static const int64_t HZ_KC = 2048;  // K panel (values): NR*KC bytes of weights stay in L1
-static const int64_t HZ_MC = 64;    // M block (rows): MC*KC activation bytes stay in L2
+// K panel (hz_gemm_kc values: NR*KC bytes of unpacked weights stay in L1) and M block (hz_gemm_mc
+// rows: MC*KC activation bytes stay in L2): hz_api.h.
 
 // dmin == R * d exactly in every block of these formats' Hooks (kernels.h), so the min term
 // R * d * dx * sum_g mn_g * xs_g folds into the int32 dot. 0: no such relation.
@@ -63,7 +63,7 @@ static void gemm_simd_rows(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1,
     constexpr int MR = HZ_GEMM_MR, NR = HZ_GEMM_NR, NC = T::QK / 32;
     constexpr bool K256 = T::QK != 32;
     const int64_t K = a->K, nb = K / T::QK;
-    const int64_t KB = hz_min<int64_t>(nb, HZ_KC / T::QK > 0 ? HZ_KC / T::QK : 1);
+    const int64_t KB = hz_min<int64_t>(nb, hz_gemm_kc / T::QK > 0 ? hz_gemm_kc / T::QK : 1);
     // per-thread scratch: NR rows x KB blocks
     __m256i* qbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB * NC);
     __m256i* sbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB * NC);
@@ -71,8 +71,8 @@ static void gemm_simd_rows(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1,
     float* dbuf = (float*)aligned_alloc(32, sizeof(float) * ((NR * KB * 2 + 7) / 8 * 8));
     float* dmbuf = dbuf + NR * KB;
     const __m256i ones = _mm256_load_si256(hz_ones16());
-    for (int64_t mc = 0; mc < M; mc += HZ_MC) {
-        const int64_t me = hz_min<int64_t>(M, mc + HZ_MC);
+    for (int64_t mc = 0; mc < M; mc += hz_gemm_mc) {
+        const int64_t me = hz_min<int64_t>(M, mc + hz_gemm_mc);
         for (int64_t kp = 0; kp < nb; kp += KB) {
             const int64_t kb = hz_min<int64_t>(KB, nb - kp);
             for (int64_t nt = n0; nt < n1; nt += NR) {
@@ -147,7 +147,7 @@ static void gemm_simd_pairs(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1
     constexpr int RATIO = K256 && H::HAS_MIN ? GemmMinRatio<T>::value : 0;
     static_assert(!(K256 && H::HAS_MIN && RATIO == 0), "K-quant mins without an integer ratio: gemm_simd_rows");
     const int64_t K = a->K, nb = K / T::QK;
-    const int64_t KB = hz_min<int64_t>(nb, HZ_KC / T::QK > 0 ? HZ_KC / T::QK : 1);
+    const int64_t KB = hz_min<int64_t>(nb, hz_gemm_kc / T::QK > 0 ? hz_gemm_kc / T::QK : 1);
     // per-thread scratch: NR rows x KB blocks
     __m256i* qbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB * NC);
     __m256i* sbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * NR * KB * NC);
@@ -155,8 +155,8 @@ static void gemm_simd_pairs(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1
     __m256* pbuf = (__m256*)aligned_alloc(32, sizeof(__m256) * (NP + 1) * KB);  // [d_r d_r+1 x4] per pair, [d_r x8]
     float* dmbuf = (float*)aligned_alloc(32, sizeof(float) * ((NR * KB + 7) / 8 * 8));
     const __m256i ones = _mm256_load_si256(hz_ones16());
-    for (int64_t mc = 0; mc < M; mc += HZ_MC) {
-        const int64_t me = hz_min<int64_t>(M, mc + HZ_MC);
+    for (int64_t mc = 0; mc < M; mc += hz_gemm_mc) {
+        const int64_t me = hz_min<int64_t>(M, mc + hz_gemm_mc);
         for (int64_t kp = 0; kp < nb; kp += KB) {
             const int64_t kb = hz_min<int64_t>(KB, nb - kp);
             for (int64_t nt = n0; nt < n1; nt += NR) {
@@ -246,9 +246,20 @@ static void gemm_simd_pairs(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1
     free(qbuf); free(sbuf); free(ibuf); free(pbuf); free(dmbuf);
 }
 
+#if HZ_ISA >= 2
+#include "kernels_gemm512.h"
+#endif
+
 template <class T>
 static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
                       float* y, int64_t ldy) {
+#if HZ_ISA >= 2
+    if (hz_gemm512) {
+        if constexpr (T::QK == 32) gemm512_32<T>(W, rb, n0, n1, a, M, y, ldy);
+        else gemm512_k<T>(W, rb, n0, n1, a, M, y, ldy);
+        return;
+    }
+#endif
     // the min terms of blocks other than 32 values read 16 sums per block (xs + b * 16)
     static_assert(T::QK == 32 || T::QK == 256 || !Hooks<T>::HAS_MIN, "a min term needs 32- or 256-value blocks");
     if constexpr (T::QK != 32 && Hooks<T>::HAS_MIN && GemmMinRatio<T>::value == 0)

@@ -23,6 +23,8 @@
 extern "C" {
 const int8_t* hz_tables[HZ_N_TABLES] = {};
 int64_t hz_prefetch_bytes = 2048;  // 2-4 KiB measured best on Zen 3 (DRAM stream, 1 thread)
+int hz_gemm512 = 1;
+int64_t hz_gemm_kc = 2048, hz_gemm_mc = 64;
 }
 // Mat-vec task size of the dynamic row split (RowSplit): 256 KiB of weights, at least
 // hz_mv_min_chunks tasks per thread. 32 KiB tasks cost 20-25%: each task restarts the weight
@@ -128,7 +130,8 @@ bool isa_supported(int64_t level) {
         case 1: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         case 2:
             return isa_supported(1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                   __builtin_cpu_supports("avx512vnni");
         case 3: return isa_supported(1) && isa_built(3);
         default: return false;
     }
@@ -897,6 +900,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_table", &set_table, "install a constant table (i-quant grid) into its HzTableSlot");
     m.def("supported_isas", &supported_isas, "ISA levels this CPU runs: 0 scalar, 1 avx2, 2 avx512, 3 avx512-sim");
     m.def("isa_built", &isa_built, "whether ISA level l is compiled in (3, avx512-sim: only with the SIMDe headers)");
+    m.def("set_gemm_blocking", [](int64_t mc, int64_t kc) {
+              TORCH_CHECK(mc >= 1 && kc >= 256 && kc % 256 == 0, "set_gemm_blocking: need mc >= 1 and kc a positive multiple of 256, got ", mc, ", ", kc);
+              hz_gemm_mc = mc; hz_gemm_kc = kc;
+          }, "GEMM cache blocking: M block (rows), K panel (values) (benchmark knob)", py::arg("mc"), py::arg("kc"));
+    m.def("gemm_blocking", []() { return std::make_pair(hz_gemm_mc, hz_gemm_kc); }, "GEMM (M block, K panel)");
+    m.def("set_gemm512", [](bool on) { hz_gemm512 = on ? 1 : 0; }, "AVX-512 level: 512-bit GEMM kernels (true) or its 256-bit ones");
+    m.def("gemm512", []() { return hz_gemm512 != 0; }, "whether the AVX-512 level's GEMM uses its 512-bit kernels");
     m.def("set_prefetch_bytes", [](int64_t b) { hz_prefetch_bytes = b; }, "mat-vec software prefetch distance (bytes)");
     m.def("set_matvec_chunk_bytes", [](int64_t bytes, int64_t min_per_thread) { hz_mv_chunk_bytes = std::max<int64_t>(1, bytes); hz_mv_min_chunks = std::max<int64_t>(1, min_per_thread); },
           "mat-vec task size of the dynamic row split: bytes of weights per task, minimum tasks per thread (benchmark knob)",

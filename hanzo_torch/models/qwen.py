@@ -119,7 +119,16 @@ class Transformer(SequenceState, nn.Module):
     ``model(input_ids[B, T], positions=None) -> float32 logits [B, T, V]``; see :meth:`forward`.
     ``kv_dtype`` is the KV cache element type (a key of ``KV_CACHE_DTYPES``; None: :attr:`dtype`),
     ``gguf`` the :class:`~hanzo_torch.GGUFFile` the weights are mapped from (set by load).
+    ``ubatch``: a call of more tokens runs through the layers in pieces of this many (llama.cpp's
+    ``n_ubatch``), each piece's keys/values written before the next attends to them; 0 or None: one
+    pass. The pieces bound the activations of a long prompt, and on the CPU backend they are faster
+    (AVX2 box, Qwen2.5-1.5B Q4_K_M, 2 threads, one process, 4 alternated rounds: a 2048-token prompt
+    at 38.5 tok/s in one pass, 42.1 in pieces of 512, 44.9 in pieces of 256; 512 tokens: 47.7, 47.1
+    in pieces of 256).
     """
+
+    UBATCH = 256
+    """Default :attr:`ubatch`."""
 
     def __init__(self, args: ModelArgs, max_context: int):
         super().__init__()
@@ -131,6 +140,7 @@ class Transformer(SequenceState, nn.Module):
         self.output = Linear(args.dim, args.vocab_size)
         self.kv_dtype: Optional[str] = None
         self.gguf = None
+        self.ubatch: Optional[int] = self.UBATCH
 
     # read from a dense norm weight: a GGUFTensor's device/dtype go through __torch_function__
     @property
@@ -178,19 +188,37 @@ class Transformer(SequenceState, nn.Module):
 
         Raises:
             ValueError: the sequence would exceed ``max_context`` (checked on the host for
-                ``positions=None`` and for CPU positions), bad shapes, or a batch size change
-                mid-sequence (:meth:`~hanzo_torch.generation.SequenceState.next_positions`).
+                ``positions=None`` and for CPU positions), bad shapes, a batch size change
+                mid-sequence (:meth:`~hanzo_torch.generation.SequenceState.next_positions`), or an
+                :attr:`ubatch` that is not a non-negative int.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        ub = self.ubatch
+        if ub is not None and (not isinstance(ub, int) or isinstance(ub, bool) or ub < 0):
+            raise ValueError(f"ubatch must be a non-negative int (0 or None: one pass), got {ub!r}")
         positions = self.next_positions(*input_ids.shape, positions)  # [B, T]
-        x, residual = self.token_embd(input_ids.to(self.device)), None  # [B, T, H]
-        for blk in self.blk:
-            x, residual = blk(x, residual, positions)
-        x, _ = self.output_norm(x, residual)  # [B, T, H]
+        T = input_ids.shape[1]
+        if ub and T > ub:
+            pieces = []
+            for t0 in range(0, T, ub):
+                h = self._hidden(input_ids[:, t0:t0 + ub], positions[:, t0:t0 + ub])
+                if not last_only or t0 + ub >= T:  # with last_only, only the last piece's hidden state is used
+                    pieces.append(h)
+            x = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+        else:
+            x = self._hidden(input_ids, positions)
         if last_only:
             x = x[:, -1:]
         return self.output(x).float()  # [B, T, V]
+
+    def _hidden(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """The final normed hidden states ``[B, T, H]`` of tokens at ``positions`` (KV caches written)."""
+        x, residual = self.token_embd(input_ids.to(self.device)), None  # [B, T, H]
+        for blk in self.blk:
+            x, residual = blk(x, residual, positions)
+        x, _ = self.output_norm(x, residual)
+        return x
 
     def extra_repr(self) -> str:
         a = self.args

@@ -29,6 +29,9 @@ source built for AVX2 with SIMDe's portable AVX-512 intrinsics (present when the
 ``simde/x86/avx512.h``, were found at build time): it tests the AVX-512 code on AVX2 CPUs and is
 never chosen by default. ``HANZO_CPU_ISA=scalar|avx2|avx512|avx512-sim`` forces one (for tests
 and A/B); ``HANZO_MUL_MAT_FALLBACK=1`` etc. select the torch reference.
+On ``avx512`` (and ``avx512-sim``) the prefill GEMM runs 512-bit register tiles (``vpdpbusd`` for the 32-value formats,
+``vpmaddubsw`` + ``vpdpwssd`` for the 256-value ones); ``HANZO_CPU_GEMM512=0`` (read when the
+kernels load) or :func:`set_gemm512` gives that level's 256-bit tiles instead, for A/B runs.
 
 Threads: torch's intra-op pool (``torch.set_num_threads``). Each parallel region of the kernels
 hands out tasks from a shared counter; an adaptive thread count runs the regions on the calling
@@ -60,7 +63,7 @@ from ...ops import _dispatch
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build",
-           "set_adaptive_threads", "adaptive_threads", "thread_stats"]
+           "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
@@ -77,7 +80,7 @@ _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
 _SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_sim.cpp", "fused.cpp")
 _HEADERS = ("hz_api.h", "ggml_blocks.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_gemm.h",
-            "threading.h")
+            "kernels_gemm512.h", "threading.h")
 
 
 def _rule_table() -> tuple:
@@ -281,13 +284,18 @@ _default_level: Optional[int] = None
 _ADAPTIVE_VALUES = {"": True, "1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
 
 
-def _adaptive_env() -> bool:
-    """``HANZO_CPU_ADAPTIVE_THREADS``: unset/1/on/true (default) or 0/off/false; ValueError otherwise."""
-    raw = os.environ.get("HANZO_CPU_ADAPTIVE_THREADS", "")
+def _flag_env(name: str) -> bool:
+    """A default-on switch ``name``: unset/1/on/true or 0/off/false; ValueError otherwise."""
+    raw = os.environ.get(name, "")
     value = _ADAPTIVE_VALUES.get(raw.strip().lower())
     if value is None:
-        raise ValueError(f"HANZO_CPU_ADAPTIVE_THREADS={raw!r}: expected 0 or 1")
+        raise ValueError(f"{name}={raw!r}: expected 0 or 1")
     return value
+
+
+def _adaptive_env() -> bool:
+    """``HANZO_CPU_ADAPTIVE_THREADS``: unset/1/on/true (default) or 0/off/false; ValueError otherwise."""
+    return _flag_env("HANZO_CPU_ADAPTIVE_THREADS")
 
 
 def check_environment() -> None:
@@ -299,6 +307,7 @@ def check_environment() -> None:
     if _FORCED_ISA and _FORCED_ISA not in _ISA_BY_NAME:
         raise ValueError(f"HANZO_CPU_ISA={_FORCED_ISA!r}: expected one of {', '.join(_ISA_BY_NAME)}")
     _adaptive_env()
+    _flag_env("HANZO_CPU_GEMM512")
 
 
 def default_isa() -> int:
@@ -460,6 +469,11 @@ def _configure(ext) -> None:
     except ValueError as e:  # a typo warns here (check_environment raises it before a model load)
         warnings.warn(f"hanzo_torch: {e}; the adaptive thread count stays on", RuntimeWarning, stacklevel=2)
         ext.set_adaptive_threads(True)
+    try:
+        ext.set_gemm512(_flag_env("HANZO_CPU_GEMM512"))
+    except ValueError as e:
+        warnings.warn(f"hanzo_torch: {e}; the 512-bit GEMM stays on", RuntimeWarning, stacklevel=2)
+        ext.set_gemm512(True)
     for op in _dispatch.reference_ops():
         ext.set_reference(op, True)
     if not _configured:
@@ -501,7 +515,7 @@ def _isa_missing(ext) -> dict:
             out[name] = (f"built without the SIMDe headers ({SIMDE_HEADER} not found at build time; "
                          "Debian/Ubuntu: apt-get install libsimde-dev)")
         elif level == 2:
-            out[name] = "this CPU lacks AVX-512 F/BW/VL/VNNI"
+            out[name] = "this CPU lacks AVX-512 F/BW/VL/DQ/VNNI"
         else:
             out[name] = "this CPU lacks AVX2/FMA"
     return out
@@ -544,6 +558,22 @@ def _ext_or_raise():
     if ext is None:
         raise RuntimeError(f"the C++ CPU kernels are not available: {_failed}")
     return ext
+
+
+def set_gemm512(enabled: bool) -> None:
+    """On the ``avx512`` level, run the prefill GEMM on 512-bit register tiles (True, the default)
+    or on that level's 256-bit tiles (False), for A/B runs; other levels ignore it. Results differ
+    only in float32 summation order.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_gemm512(bool(enabled))
+
+
+def gemm512() -> bool:
+    """Whether the ``avx512`` level's GEMM uses its 512-bit tiles (:func:`set_gemm512`)."""
+    return bool(_ext_or_raise().gemm512())
 
 
 def set_adaptive_threads(enabled: bool) -> None:
