@@ -56,6 +56,35 @@ static inline __attribute__((always_inline)) void gemm_int_tile(__m256i (&is)[MR
     }
 }
 
+// Unpack one weight block into the panel buffers: its NC chunks of 32 int8 values at q[0..NC),
+// and for 256-value blocks their int16 scale vectors at s[0..NC). Returns the block's Prep (d,
+// dmin, mins) for the variant's fix-up data.
+template <class T>
+static inline __attribute__((always_inline)) typename Hooks<T>::Prep unpack_block(const uint8_t* blk, __m256i* q, __m256i* s) {
+    typename Hooks<T>::Prep p;
+    Hooks<T>::prep(blk, p);
+    for (int c = 0; c < T::QK / 32; ++c) {
+        q[c] = Hooks<T>::chunk(blk, p, c);
+        if constexpr (T::QK != 32) s[c] = scvec(p.sc16, c);
+    }
+    return p;
+}
+
+// The activation rows of a register tile: rows mt.. (mr of them, the last repeated up to MR) from
+// K panel kp: int8 values, per-block scales, per-16 float and int16 sums.
+template <class T, int MR>
+struct TileRows {
+    const int8_t* q[MR]; const float* d[MR]; const float* sf[MR]; const int16_t* s16[MR];
+    TileRows(const HzAct* a, int64_t mt, int mr, int64_t kp) {
+        const int64_t K = a->K, nb = K / T::QK;
+        for (int m = 0; m < MR; ++m) {
+            const int64_t mm = mt + (m < mr ? m : mr - 1);
+            q[m] = a->q + mm * K + kp * T::QK; d[m] = a->d + mm * nb + kp;
+            sf[m] = a->sf + mm * (K / 16) + kp * (T::QK / 16); s16[m] = a->s + mm * (K / 16) + kp * (T::QK / 16);
+        }
+    }
+};
+
 template <class T>
 static void gemm_simd_rows(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
                       float* y, int64_t ldy) {
@@ -80,13 +109,7 @@ static void gemm_simd_rows(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1,
                 for (int r = 0; r < NR; ++r) {
                     const uint8_t* row = W + (nt + (r < nr ? r : nr - 1)) * rb + kp * T::BYTES;
                     for (int64_t b = 0; b < kb; ++b) {
-                        const uint8_t* blk = row + b * T::BYTES;
-                        typename H::Prep p;
-                        H::prep(blk, p);
-                        for (int c = 0; c < NC; ++c) {
-                            qbuf[(r * KB + b) * NC + c] = H::chunk(blk, p, c);
-                            if constexpr (K256) sbuf[(r * KB + b) * NC + c] = scvec(p.sc16, c);
-                        }
+                        const typename H::Prep p = unpack_block<T>(row + b * T::BYTES, qbuf + (r * KB + b) * NC, sbuf + (r * KB + b) * NC);
                         dbuf[r * KB + b] = p.d;
                         dmbuf[r * KB + b] = p.dmin;
                         if constexpr (K256 && H::HAS_MIN) {
@@ -98,11 +121,8 @@ static void gemm_simd_rows(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1,
                 }
                 for (int64_t mt = mc; mt < me; mt += MR) {
                     const int mr = (int)hz_min<int64_t>(MR, me - mt);
-                    const int8_t* xq[MR]; const float* xd[MR]; const float* xs[MR];
-                    for (int m = 0; m < MR; ++m) {
-                        int64_t mm = mt + (m < mr ? m : mr - 1);
-                        xq[m] = a->q + mm * K + kp * T::QK; xd[m] = a->d + mm * nb + kp; xs[m] = a->sf + mm * (K / 16) + kp * (T::QK / 16);
-                    }
+                    const TileRows<T, MR> tr(a, mt, mr, kp);
+                    const int8_t* const (&xq)[MR] = tr.q; const float* const (&xd)[MR] = tr.d; const float* const (&xs)[MR] = tr.sf;
                     __m256 acc[MR][NR];
                     float accs[MR][NR];
                     for (int m = 0; m < MR; ++m)
@@ -165,12 +185,7 @@ static void gemm_simd_pairs(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1
                     float d[NR];
                     for (int r = 0; r < NR; ++r) {
                         const uint8_t* blk = W + (nt + (r < nr ? r : nr - 1)) * rb + (kp + b) * T::BYTES;
-                        typename H::Prep p;
-                        H::prep(blk, p);
-                        for (int c = 0; c < NC; ++c) {
-                            qbuf[(r * KB + b) * NC + c] = H::chunk(blk, p, c);
-                            if constexpr (K256) sbuf[(r * KB + b) * NC + c] = scvec(p.sc16, c);
-                        }
+                        const typename H::Prep p = unpack_block<T>(blk, qbuf + (r * KB + b) * NC, sbuf + (r * KB + b) * NC);
                         d[r] = p.d;
                         dmbuf[r * KB + b] = p.dmin;
                         if constexpr (RATIO != 0) ibuf[r * KB + b] = p.mn16;
@@ -182,12 +197,9 @@ static void gemm_simd_pairs(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1
                 }
                 for (int64_t mt = mc; mt < me; mt += MR) {
                     const int mr = (int)hz_min<int64_t>(MR, me - mt);
-                    const int8_t* xq[MR]; const float* xd[MR]; const float* xs[MR]; const int16_t* xs16[MR];
-                    for (int m = 0; m < MR; ++m) {
-                        int64_t mm = mt + (m < mr ? m : mr - 1);
-                        xq[m] = a->q + mm * K + kp * T::QK; xd[m] = a->d + mm * nb + kp;
-                        xs[m] = a->sf + mm * (K / 16) + kp * (T::QK / 16); xs16[m] = a->s + mm * (K / 16) + kp * (T::QK / 16);
-                    }
+                    const TileRows<T, MR> tr(a, mt, mr, kp);
+                    const int8_t* const (&xq)[MR] = tr.q; const float* const (&xd)[MR] = tr.d;
+                    const float* const (&xs)[MR] = tr.sf; const int16_t* const (&xs16)[MR] = tr.s16;
                     // accp[m][j]: rows 2j (even lanes) and 2j+1 (odd lanes); acc1[m]: row NR-1 when NR is odd;
                     // accs[m][r]: QK 32 mins
                     __m256 accp[MR][NP > 0 ? NP : 1], acc1[MR];

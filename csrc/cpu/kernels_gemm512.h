@@ -61,13 +61,7 @@ static void gemm512_k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
                 for (int r = 0; r < NR; ++r) {
                     const uint8_t* row = W + (nt + (r < nr ? r : nr - 1)) * rb + kp * T::BYTES;
                     for (int64_t b = 0; b < kb; ++b) {
-                        const uint8_t* blk = row + b * T::BYTES;
-                        typename H::Prep p;
-                        H::prep(blk, p);
-                        for (int c = 0; c < NC; ++c) {
-                            qbuf[(r * KB + b) * NC + c] = H::chunk(blk, p, c);
-                            sbuf[(r * KB + b) * NC + c] = scvec(p.sc16, c);
-                        }
+                        const typename H::Prep p = unpack_block<T>(row + b * T::BYTES, qbuf + (r * KB + b) * NC, sbuf + (r * KB + b) * NC);
                         dbuf[r * KB + b] = p.d;
                         if constexpr (RATIO != 0) ibuf[r * KB + b] = p.mn16;
                         if constexpr (FMIN)
@@ -76,12 +70,9 @@ static void gemm512_k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
                 }
                 for (int64_t mt = mc; mt < me; mt += MR) {
                     const int mr = (int)hz_min<int64_t>(MR, me - mt);
-                    const int8_t* xq[MR]; const float* xd[MR]; const float* xs[MR]; const int16_t* xs16[MR];
-                    for (int m = 0; m < MR; ++m) {
-                        const int64_t mm = mt + (m < mr ? m : mr - 1);
-                        xq[m] = a->q + mm * K + kp * T::QK; xd[m] = a->d + mm * nb + kp;
-                        xs[m] = a->sf + mm * (K / 16) + kp * (T::QK / 16); xs16[m] = a->s + mm * (K / 16) + kp * (T::QK / 16);
-                    }
+                    const TileRows<T, MR> tr(a, mt, mr, kp);
+                    const int8_t* const (&xq)[MR] = tr.q; const float* const (&xd)[MR] = tr.d;
+                    const float* const (&xs)[MR] = tr.sf; const int16_t* const (&xs16)[MR] = tr.s16;
                     __m512 acc[MR][NR];
                     for (int m = 0; m < MR; ++m)
                         for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -186,12 +177,9 @@ static void gemm512_32(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, con
                 }
                 for (int64_t mt = mc; mt < me; mt += MR) {
                     const int mr = (int)hz_min<int64_t>(MR, me - mt);
-                    const int8_t* xq[MR]; const float* xd[MR]; const float* xs[MR]; const int16_t* xs16[MR];
-                    for (int m = 0; m < MR; ++m) {
-                        const int64_t mm = mt + (m < mr ? m : mr - 1);
-                        xq[m] = a->q + mm * K + kp * 32; xd[m] = a->d + mm * nb + kp;
-                        xs[m] = a->sf + mm * (K / 16) + kp * 2; xs16[m] = a->s + mm * (K / 16) + kp * 2;
-                    }
+                    const TileRows<T, MR> tr(a, mt, mr, kp);
+                    const int8_t* const (&xq)[MR] = tr.q; const float* const (&xd)[MR] = tr.d;
+                    const float* const (&xs)[MR] = tr.sf; const int16_t* const (&xs16)[MR] = tr.s16;
                     __m512 acc[MR][NR];
                     for (int m = 0; m < MR; ++m)
                         for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
