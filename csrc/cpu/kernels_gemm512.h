@@ -143,12 +143,31 @@ static void gemm512_32(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, con
     __m256i* qbuf = (__m256i*)aligned_alloc(64, sizeof(__m256i) * NR * KP * 2);
     __m512* dvbuf = (__m512*)aligned_alloc(64, sizeof(__m512) * NR * KP);  // [d_b x8 | d_b+1 x8]
     __m512* mvbuf = (__m512*)aligned_alloc(64, sizeof(__m512) * NR * KP);  // FMIN: [dmin_b, 0 x7 | dmin_b+1, 0 x7]
+    // Per activation row of an M block and block of a K panel (zero past the panel's last block),
+    // made once per (M block, K panel) for all weight tiles: the block's scale, -OFF * its int8 sum,
+    // its float sum. A tile loads each pair with one 64-bit load and spreads it to lanes 0-7 / 8-15.
+    const int64_t KB2 = 2 * KP;
+    float* xdb = (float*)aligned_alloc(64, sizeof(float) * ((hz_gemm_mc * KB2 + 15) / 16 * 16));
+    int32_t* xcb = (int32_t*)aligned_alloc(64, sizeof(int32_t) * ((hz_gemm_mc * KB2 + 15) / 16 * 16));
+    float* xsb = (float*)aligned_alloc(64, sizeof(float) * ((hz_gemm_mc * KB2 + 15) / 16 * 16));
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t mc = 0; mc < M; mc += hz_gemm_mc) {
         const int64_t me = hz_min<int64_t>(M, mc + hz_gemm_mc);
         for (int64_t kp = 0; kp < nb; kp += KB) {
             const int64_t kb = hz_min<int64_t>(KB, nb - kp), kpairs = (kb + 1) / 2;
+            for (int64_t mm = mc; mm < me; ++mm) {
+                const float* pd = a->d + mm * nb + kp;
+                const int16_t* ps = a->s + mm * (K / 16) + kp * 2;
+                const float* pf = a->sf + mm * (K / 16) + kp * 2;
+                for (int64_t b = 0; b < KB2; ++b) {
+                    const bool in = b < kb;
+                    xdb[(mm - mc) * KB2 + b] = in ? pd[b] : 0.f;
+                    xcb[(mm - mc) * KB2 + b] = in ? -OFF * ((int)ps[2 * b] + ps[2 * b + 1]) : 0;
+                    xsb[(mm - mc) * KB2 + b] = in ? pf[2 * b] + pf[2 * b + 1] : 0.f;
+                }
+            }
             for (int64_t nt = n0; nt < n1; nt += NR) {
                 const int nr = (int)hz_min<int64_t>(NR, n1 - nt);
                 for (int r = 0; r < NR; ++r) {
@@ -178,8 +197,9 @@ static void gemm512_32(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, con
                 for (int64_t mt = mc; mt < me; mt += MR) {
                     const int mr = (int)hz_min<int64_t>(MR, me - mt);
                     const TileRows<T, MR> tr(a, mt, mr, kp);
-                    const int8_t* const (&xq)[MR] = tr.q; const float* const (&xd)[MR] = tr.d;
-                    const float* const (&xs)[MR] = tr.sf; const int16_t* const (&xs16)[MR] = tr.s16;
+                    const int8_t* const (&xq)[MR] = tr.q;
+                    int64_t lm[MR];  // the rows' places in the M block's per-block arrays
+                    for (int m = 0; m < MR; ++m) lm[m] = (mt + (m < mr ? m : mr - 1) - mc) * KB2;
                     __m512 acc[MR][NR];
                     for (int m = 0; m < MR; ++m)
                         for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -189,23 +209,17 @@ static void gemm512_32(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, con
                         __m512 dxv[MR], sxv[MR];
                         for (int m = 0; m < MR; ++m) {
                             const int8_t* px = xq[m] + 64 * j;
-                            const float* pd = xd[m] + 2 * j;
+                            const int64_t o = lm[m] + 2 * j;
                             x[m] = two ? _mm512_loadu_si512((const void*)px) : zext512(_mm256_loadu_si256((const __m256i*)px));
-                            const __m256 d0 = _mm256_set1_ps(pd[0]), d1 = two ? _mm256_set1_ps(pd[1]) : _mm256_setzero_ps();
-                            dxv[m] = _mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1);
-                            if constexpr (OFF != 0) {  // lanes 0 and 8: -OFF * (int8 sum of x over block 2j, 2j+1)
-                                const int16_t* ps = xs16[m] + 4 * j;
-                                const int s0 = (int)ps[0] + ps[1], s1 = two ? (int)ps[2] + ps[3] : 0;
-                                c0[m] = _mm512_maskz_set1_epi32((__mmask16)0x0001, -OFF * s0);
-                                c0[m] = _mm512_mask_set1_epi32(c0[m], (__mmask16)0x0100, -OFF * s1);
-                            } else {
+                            dxv[m] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xdb + o)))));
+                            // lanes 0 and 8: -OFF * (int8 sum of x over block 2j, 2j+1)
+                            if constexpr (OFF != 0)
+                                c0[m] = _mm512_maskz_permutexvar_epi32((__mmask16)0x0101, spread, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)(xcb + o))));
+                            else
                                 c0[m] = zero;
-                            }
-                            if constexpr (FMIN) {  // lanes 0 and 8: the float sums of x over the two blocks
-                                const float* pf = xs[m] + 4 * j;
-                                const __m256 f0 = _mm256_set1_ps(pf[0] + pf[1]), f1 = two ? _mm256_set1_ps(pf[2] + pf[3]) : _mm256_setzero_ps();
-                                sxv[m] = _mm512_insertf32x8(_mm512_castps256_ps512(f0), f1, 1);
-                            }
+                            // the float sums of x over the two blocks (read in lanes 0 and 8 only)
+                            if constexpr (FMIN)
+                                sxv[m] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xsb + o)))));
                         }
                         for (int r = 0; r < NR; ++r) {
                             const __m512i q = hz_load512(qbuf + (r * KP + j) * 2);
@@ -227,5 +241,5 @@ static void gemm512_32(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, con
             }
         }
     }
-    free(qbuf); free(dvbuf); free(mvbuf);
+    free(qbuf); free(dvbuf); free(mvbuf); free(xdb); free(xcb); free(xsb);
 }
