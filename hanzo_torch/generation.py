@@ -393,8 +393,8 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
              repeat_last_n: int = DEFAULT_REPEAT_LAST_N, seed: Optional[int] = None,
              stop: Union[str, Sequence[str], None] = None, stream: bool = False, ignore_eos: bool = False,
              tokenizer: Any = None, skip_special_tokens: bool = True,
-             add_generation_prompt: bool = True, cuda_graph: bool = True,
-             **template_kwargs: Any) -> Union[GenerationResult, TextStream]:
+             add_generation_prompt: bool = True, cuda_graph: bool = True, n_parallel: Optional[int] = None,
+             **template_kwargs: Any) -> Union[GenerationResult, TextStream, list]:
     """Generate a continuation of a prompt with ``model``.
 
     Args:
@@ -423,8 +423,15 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
             devices (on vulkan, ``HANZO_VK_GRAPH=0`` in the environment also turns it off). If
             the capture fails, a RuntimeWarning says why and decode runs eagerly.
 
+        n_parallel: for a batch, the KV-cache slots decoded at once (default: one per prompt).
+
+    A list of prompts (texts, token-id lists, chat message lists) is a batch: see
+    :func:`hanzo_torch.batching.generate_batch` (one result per prompt; ``stream`` yields
+    ``(row, text)``; an int ``seed`` seeds row i with ``seed + i``).
+
     Returns:
-        :class:`GenerationResult`, or a :class:`TextStream` when ``stream``.
+        :class:`GenerationResult`, or a :class:`TextStream` when ``stream``; for a batch a list
+        of :class:`GenerationResult` or a :class:`~hanzo_torch.batching.BatchTextStream`.
 
     Thread safety: runs on one model object are serialized (a per-model lock held while the
     tokens are computed; for ``stream=True`` from the first ``next()`` until the stream ends
@@ -442,6 +449,15 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
             it is encoded), non-finite logits; TypeError: an unsupported prompt type.
         RuntimeError: this thread already has an unfinished run on ``model``.
     """
+    from .batching import generate_batch, is_batch
+
+    if is_batch(prompt_or_ids):
+        return generate_batch(model, prompt_or_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                              repeat_last_n=repeat_last_n, seed=seed, stop=stop, stream=stream,
+                              ignore_eos=ignore_eos, tokenizer=tokenizer, skip_special_tokens=skip_special_tokens,
+                              add_generation_prompt=add_generation_prompt, cuda_graph=cuda_graph,
+                              n_parallel=n_parallel, **template_kwargs)
     params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n)
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")

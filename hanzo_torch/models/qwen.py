@@ -27,8 +27,9 @@ synchronizes with the host when positions are passed in.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -173,6 +174,33 @@ class Transformer(SequenceState, nn.Module):
             for blk in self.blk:
                 blk.k_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
                 blk.v_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
+
+    @contextlib.contextmanager
+    def kv_slots(self, start: int, stop: int) -> Iterator[None]:
+        """Run forwards on the KV-cache rows ``[start, stop)`` only (continuous batching).
+
+        Inside, every layer's ``k_cache``/``v_cache`` is the view ``cache[start:stop]`` of the
+        allocated caches (writes land in them) and the batch size is ``stop - start``; pass
+        explicit ``positions``. The caches, batch size and :attr:`seq_len` are restored on exit.
+
+        Raises:
+            ValueError: no caches allocated, or ``[start, stop)`` not a non-empty range of them.
+        """
+        B = self.cache_batch_size
+        if not B or not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= B):
+            raise ValueError(f"KV-cache slots [{start}, {stop}) are not a non-empty range of the "
+                             f"{B} allocated (call setup_cache(batch_size) first)")
+        saved = [(blk._buffers["k_cache"], blk._buffers["v_cache"]) for blk in self.blk]
+        seq_len = self.seq_len
+        try:
+            for blk, (k, v) in zip(self.blk, saved):
+                blk.k_cache, blk.v_cache = k[start:stop], v[start:stop]
+            self.cache_batch_size = stop - start
+            yield
+        finally:
+            for blk, (k, v) in zip(self.blk, saved):
+                blk.k_cache, blk.v_cache = k, v
+            self.cache_batch_size, self.seq_len = B, seq_len
 
     def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None, *, last_only: bool = False) -> Tensor:
         """Run ``input_ids`` through the model, appending their keys/values to the KV cache.
