@@ -5,6 +5,7 @@
     hanzo-torch pull                                              # fetch the default model
     hanzo-torch inspect model.gguf                                # metadata + tensor table
     hanzo-torch bench -m model.gguf -p 128,512 -n 32 -r 3         # llama-bench style pp/tg tokens/s
+    hanzo-torch serve -m model.gguf --port 8080 -np 4 -c 8192     # OpenAI-compatible server
 
 Generated text goes to stdout as it decodes; load time and prefill/decode tokens/s go to
 stderr. Errors are one line on stderr: exit 1 for a runtime problem (missing file, not a GGUF,
@@ -130,6 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, metavar="W", help="untimed runs before each test (default 1)")
     b.add_argument("--no-graph", action="store_true",
                    help="tg: decode eagerly on CUDA/HIP and vulkan (default: replay a captured decode graph)")
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching (llama-server's flags)")
+    _add_debug(s, argparse.SUPPRESS)
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    s.add_argument("-np", "--parallel", type=_positive_int, default=1, metavar="N",
+                   help="slots: sequences decoded at once (default 1)")
+    s.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, metavar="N",
+                   help="total context in tokens, split evenly between the slots (default 4096)")
+    s.add_argument("--max-queue", type=_positive_int, default=64, metavar="N",
+                   help="requests that may wait for a slot; more get HTTP 503 (default 64)")
+    s.add_argument("--alias", metavar="NAME", help="model name in the API (default: the file name)")
+    s.add_argument("--no-graph", action="store_true",
+                   help="decode eagerly on CUDA/HIP and vulkan (default: replay a captured decode graph)")
 
     e = sub.add_parser("export", help="write the prefill and decode step as a torch-mlir linalg-on-tensors module "
                                       "(needs the [mlir] extra)")
@@ -582,8 +598,27 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in [1, 65535], got {args.port}")
+    if args.ctx_size < args.parallel:
+        raise UsageError(f"-c {args.ctx_size} leaves no context for each of -np {args.parallel} slots")
+    try:
+        from .server import serve
+        import uvicorn  # noqa: F401
+    except ImportError:
+        _die("serve needs FastAPI and uvicorn: pip install 'hanzo-torch[serve]'")
+    _set_threads(args)
+    model, path, load_s = _load(args, max_context=args.ctx_size // args.parallel)
+    _err(f"model {path.name} loaded in {load_s:.2f} s on {model.device}; {args.parallel} slots of "
+         f"{model.max_context} tokens; listening on http://{args.host}:{args.port}")
+    serve(model, args.host, args.port, n_parallel=args.parallel, max_queue=args.max_queue, model_name=args.alias,
+          cuda_graph=not args.no_graph)
+    return 0
+
+
 _COMMANDS = {"generate": cmd_generate, "pull": cmd_pull, "inspect": cmd_inspect, "bench": cmd_bench,
-             "export": cmd_export}
+             "export": cmd_export, "serve": cmd_serve}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
