@@ -336,6 +336,21 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: Optiona
 
 
 # ---------------------------------------------------------------------- generation loop
+def _sample_checked(model, logits: torch.Tensor, params: SamplingParams, generator, history: list) -> int:
+    """:func:`sample_next`; logits without a finite value are the model file's fault: GGUFError
+    naming the file (the load-time check only sees the first forward's logits)."""
+    try:
+        return sample_next(logits, params, generator, history)
+    except ValueError as exc:
+        from .gguf_file import GGUFError
+
+        path = getattr(getattr(model, "gguf", None), "path", None)
+        if path is None:
+            raise
+        raise GGUFError(f"{path}: {exc} (after {len(history)} tokens): its weights overflow the compute dtype "
+                        "at this context") from None
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     dev = getattr(model, "device", None)
     if isinstance(dev, torch.device):
@@ -446,7 +461,9 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
     Raises:
         ValueError: bad sampling parameters, an empty prompt, a prompt that does not fit in
             ``max_context`` (a text longer than ``max_context`` tokens can hold is refused before
-            it is encoded), non-finite logits; TypeError: an unsupported prompt type.
+            it is encoded), non-finite logits of a model not loaded from a file; TypeError: an
+            unsupported prompt type.
+        GGUFError: the logits of a model loaded from a file turned non-finite (naming the file).
         RuntimeError: this thread already has an unfinished run on ``model``.
     """
     from .batching import generate_batch, is_batch
@@ -631,7 +648,7 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         pos = torch.arange(len(prompt_ids), dtype=torch.long, device=device).unsqueeze(0)
         logits = model(ids, positions=pos, last_only=True)[0, -1]
-        token = sample_next(logits, params, generator, history)
+        token = _sample_checked(model, logits, params, generator, history)
         stats.prefill_s = time.perf_counter() - t0
         if vk_profile is not None:
             stats.vulkan_profile["prefill"] = vk_profile()
@@ -667,7 +684,7 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
             step.input_ids.fill_(token)
             step.positions.fill_(len(prompt_ids) + len(out_ids) - 1)
             logits = step()[0, -1]
-            token = sample_next(logits, params, generator, history)  # waits for the device
+            token = _sample_checked(model, logits, params, generator, history)  # waits for the device
             stats.cuda_graph = step.graphed
             stats.decode_s += time.perf_counter() - t1
             stats.decode_steps += 1

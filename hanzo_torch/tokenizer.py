@@ -27,6 +27,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .gguf_file import GGUFError
+
 __all__ = ["Tokenizer", "IncrementalDecoder", "TokenizerError"]
 
 # gguf.TokenType values (llama.cpp llama_token_type); kept as ints so the module imports cheaply.
@@ -50,8 +52,9 @@ _EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|
               "<|return|>", "<|call|>", "<EOT>", "<｜end▁of▁sentence｜>")
 
 
-class TokenizerError(ValueError):
-    """The GGUF tokenizer metadata is missing, inconsistent, or of an unsupported kind."""
+class TokenizerError(GGUFError):
+    """The GGUF tokenizer metadata is missing, inconsistent, or of an unsupported kind, or its
+    chat template fails (a :class:`~hanzo_torch.GGUFError`: the file is at fault)."""
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -254,11 +257,13 @@ class Tokenizer:
         else:
             raise TypeError(f"Tokenizer.from_gguf expects a path, a GGUFFile or a metadata mapping, got {type(source)!r}")
         try:
-            return cls._from_metadata(meta)
+            tok = cls._from_metadata(meta)
         except TokenizerError as exc:
             if where is None:
                 raise
             raise TokenizerError(f"{where}: {exc}") from None
+        tok.source = where
+        return tok
 
     @classmethod
     def _from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
@@ -273,8 +278,9 @@ class Tokenizer:
             raise TokenizerError(f"unsupported tokenizer.ggml.model {kind!r}: only byte-level BPE ('gpt2') is supported")
         tokens = get("tokenizer.ggml.tokens")
         merges = get("tokenizer.ggml.merges")
-        if tokens is None or merges is None:
-            raise TokenizerError("tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
+        for key, value in (("tokenizer.ggml.tokens", tokens), ("tokenizer.ggml.merges", merges)):
+            if value is None:
+                raise TokenizerError(f"{key} is missing")
         _check_str_list("tokenizer.ggml.tokens", tokens)
         types = get("tokenizer.ggml.token_type")
         if types is None:
@@ -372,7 +378,8 @@ class Tokenizer:
         Returns the prompt text, or its token ids (no BOS added) if ``tokenize``.
 
         Raises:
-            TokenizerError: the GGUF has no ``tokenizer.chat_template``, or the template fails.
+            TokenizerError: the GGUF has no ``tokenizer.chat_template``, or the template fails
+                while rendering (naming the file and the key).
         """
         source = chat_template or self.chat_template
         if source is None:
@@ -394,10 +401,19 @@ class Tokenizer:
         try:
             text = template.render(**ctx)
         except _TemplateRaised as exc:
-            raise TokenizerError(f"chat template error: {exc}") from None
-        except Exception as exc:  # jinja2 errors (undefined, sandbox violations, type errors)
-            raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+            raise TokenizerError(f"{self._template_where(chat_template)}: chat template error: {exc}") from None
+        except Exception as exc:  # jinja2 errors (undefined, sandbox violations, type errors), ZeroDivisionError, ...
+            raise TokenizerError(f"{self._template_where(chat_template)}: chat template failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    source: str | None = None
+    """The GGUF file the tokenizer was read from (None: built from a metadata mapping)."""
+
+    def _template_where(self, override: str | None) -> str:
+        if override is not None:
+            return "chat_template="
+        return f"{self.source}: tokenizer.chat_template" if self.source else "tokenizer.chat_template"
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, pre={self.pre!r}, bos={self.bos_token_id}, "

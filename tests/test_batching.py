@@ -1,0 +1,124 @@
+"""Batched generation (hanzo_torch.batching): every row equals its prompt run alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hanzo_torch
+from hanzo_torch import GGUFError
+from hanzo_torch.batching import BatchEngine, BatchSequence
+from hanzo_torch.generation import SamplingParams
+from qwen_vocab import toy_tokenizer_metadata
+from tests.gguf_builders import tiny_spec, write_tiny_gguf
+
+QTYPES = {"attn": "Q8_0", "ffn": "Q4_K", "ffn_down": "Q6_K", "embd": "Q8_0", "output": "Q8_0"}
+PROMPTS = ["hello world", "a", "the quick brown fox jumps", "hell"]
+TOL = 2e-2  # of the largest |logit|: the int8 CPU kernels' tolerance (row results differ by M)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2"])
+def model(request, tmp_path_factory):
+    spec = tiny_spec(request.param, n_layer=2, tied=False, qtypes=QTYPES)
+    path = write_tiny_gguf(tmp_path_factory.mktemp("batch") / f"{request.param}.gguf", spec, toy_tokenizer_metadata())
+    return hanzo_torch.load(path, max_context=64)
+
+
+def alone_logits(model, prompt_ids, tokens):
+    """Logits of ``prompt_ids`` then ``tokens`` fed one at a time with batch size 1."""
+    model.reset()
+    P = len(prompt_ids)
+    with torch.inference_mode():
+        out = [model(torch.tensor([prompt_ids]), positions=torch.arange(P)[None], last_only=True)[0, -1]]
+        for j, t in enumerate(tokens[:-1]):
+            out.append(model(torch.tensor([[t]]), positions=torch.tensor([[P + j]]), last_only=True)[0, -1])
+    return torch.stack(out)
+
+
+def test_rows_equal_prompt_alone(model):
+    """Different prompt lengths in one batch (3 slots for 4 prompts: one waits for a freed slot):
+    each row's logits at every step equal the prompt run alone, and greedy tokens agree wherever
+    the top-2 gap exceeds the tolerance."""
+    tok = model.tokenizer
+    engine = BatchEngine(model, 3)
+    budgets = [12, 3, 9, 6]
+    seqs = [BatchSequence(tok.encode(p), n, SamplingParams(temperature=0), 0, [], tok, True, True, 64,
+                          keep_logits=True) for p, n in zip(PROMPTS, budgets)]
+    for s in seqs:
+        engine.add(s)
+    steps = 0
+    while not engine.idle():
+        engine.step()
+        steps += 1
+        assert engine.busy <= 3
+    assert steps < sum(budgets)  # rows were decoded together
+    for s, n in zip(seqs, budgets):
+        assert len(s.token_ids) == n and s.stats.stop_reason == "length"
+        ref = alone_logits(model, s.prompt_ids, s.token_ids)
+        got = torch.stack(s.logits)
+        scale = ref.abs().max(dim=-1).values
+        assert ((got - ref).abs().max(dim=-1).values <= TOL * scale).all()
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * TOL * scale
+        assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
+        assert clear.any()
+
+
+def test_generate_list_equals_single_calls(model):
+    single = [model.generate(p, max_new_tokens=8, temperature=0, ignore_eos=True) for p in PROMPTS]
+    for n_parallel in (None, 2):
+        batch = model.generate(PROMPTS, max_new_tokens=8, temperature=0, ignore_eos=True, n_parallel=n_parallel)
+        assert [r.token_ids for r in batch] == [r.token_ids for r in single]
+        assert [r.text for r in batch] == [r.text for r in single]
+    # token ids and chat message lists are prompts too
+    ids = [model.tokenizer.encode(p) for p in PROMPTS[:2]]
+    assert [r.token_ids for r in model.generate(ids, max_new_tokens=8, temperature=0, ignore_eos=True)] == \
+        [r.token_ids for r in single[:2]]
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS[:2]]
+    alone = [model.generate(c, max_new_tokens=5, temperature=0, ignore_eos=True).text for c in chats]
+    assert [r.text for r in model.generate(chats, max_new_tokens=5, temperature=0, ignore_eos=True)] == alone
+
+
+def test_per_row_sampling_stop_and_stream(model):
+    ref = model.generate(PROMPTS[0], max_new_tokens=10, temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=7,
+                         ignore_eos=True)
+    rows = model.generate([PROMPTS[0], PROMPTS[0], PROMPTS[2]], max_new_tokens=10, temperature=0.9, top_k=0,
+                          top_p=1.0, min_p=0.0, seed=[7, 7, 3], ignore_eos=True)
+    assert rows[0].token_ids == rows[1].token_ids == ref.token_ids  # each row has its own generator
+    # a stop string ends its row only
+    greedy = model.generate(PROMPTS[:2], max_new_tokens=10, temperature=0, ignore_eos=True)
+    text0 = greedy[0].text
+    stop = next(text0[i:i + 2] for i in range(3, len(text0) - 1) if text0[i:i + 2] not in greedy[1].text)
+    cut = model.generate(PROMPTS[:2], max_new_tokens=10, temperature=0, ignore_eos=True, stop=stop)
+    assert cut[0].stats.stop_reason == "stop" and cut[0].text == text0[:text0.find(stop)]
+    assert cut[1].stats.stop_reason == "length" and cut[1].text == greedy[1].text
+    stream = model.generate(PROMPTS[:2], max_new_tokens=10, temperature=0, ignore_eos=True, stream=True)
+    pieces = list(stream)
+    assert {r for r, _ in pieces} == {0, 1}
+    assert ["".join(p for r, p in pieces if r == i) for i in (0, 1)] == [r.text for r in greedy]
+    assert [r.text for r in stream.results] == [r.text for r in greedy]
+
+
+def test_bad_batches_raise(model):
+    with pytest.raises(ValueError, match="prompt 1: empty prompt"):
+        model.generate(["a", []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt 0: prompt token id 9999"):
+        model.generate([[9999], [1]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="one int per prompt"):
+        model.generate(["a", "b"], max_new_tokens=2, seed=[1])
+    with pytest.raises(ValueError, match="n_parallel"):
+        model.generate(["a", "b"], max_new_tokens=2, n_parallel=0)
+
+
+def test_non_finite_logits_are_gguf_errors(model):
+    """Logits that turn NaN after the first token: GGUFError naming the file, single and batched."""
+    def poison(module, args, out):
+        return out if args[0].shape[1] > 1 else torch.full_like(out, float("nan"))
+
+    handle = model.output_norm.register_forward_hook(lambda m, a, o: (poison(m, a, o[0]), o[1]))
+    try:
+        for prompt in ("hello world", ["hello world", "a"]):
+            with pytest.raises(GGUFError, match=model.gguf.path.replace(".", r"\.") + ".*no finite value"):
+                model.generate(prompt, max_new_tokens=4, temperature=0, ignore_eos=True)
+    finally:
+        handle.remove()
+    assert len(model.generate("a", max_new_tokens=2, temperature=0, ignore_eos=True).token_ids) == 2
