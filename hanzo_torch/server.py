@@ -103,6 +103,8 @@ class ModelWorker:
         self._thread = threading.Thread(target=self._main, name="hanzo-model-worker", daemon=True)
         self.error: Optional[BaseException] = None
         self.engine: Optional[BatchEngine] = None
+        self.completed = 0  # requests answered in full
+        self.cancelled = 0  # requests whose client went away before the end
 
     def start(self) -> None:
         self._thread.start()
@@ -172,6 +174,7 @@ class ModelWorker:
                         job.post(("piece", piece))
                     if seq.finished:
                         jobs.pop(id(seq), None)
+                        self.completed += seq.error is None
                         self._end(job, error=seq.error)
         finally:
             for job in jobs.values():
@@ -198,6 +201,7 @@ class ModelWorker:
                 was_waiting = job.seq.slot is None and job.seq in engine.waiting
                 engine.cancel(job.seq)
                 jobs.pop(id(job.seq), None)
+                self.cancelled += 1
                 if was_waiting:
                     with self._count_lock:
                         self._waiting -= 1
@@ -326,7 +330,8 @@ def create_app(model: Any, *, n_parallel: int = 1, max_queue: int = 64, model_na
     async def health():
         if worker.error is not None or not worker._thread.is_alive():
             return JSONResponse({"status": "error"}, status_code=503)
-        return {"status": "ok", "slots_busy": worker.busy_slots(), "slots": worker.n_parallel}
+        return {"status": "ok", "slots_busy": worker.busy_slots(), "slots": worker.n_parallel,
+                "requests_waiting": worker._waiting, "requests_completed": worker.completed, "requests_cancelled": worker.cancelled}
 
     @app.get("/v1/models")
     async def models():
