@@ -11,10 +11,7 @@ float32 addition is not associative: the same order gives the same bits.
 The reference quantizers live in ``libggml-base``, which ggml's CMake build compiles without
 ``-march`` flags (GGML_NATIVE applies to the ``ggml-cpu`` backend only): on x86-64 that is SSE2
 scalar float32 code with no fused multiply-add, which is what :data:`EMULATE_FMA` False (the
-default) reproduces. Against that library (llama-cpp-python 0.3.36's ggml, x86-64) Q2_K, Q3_K
-and Q6_K are byte-identical on the oracle test's inputs; Q4_K and Q5_K differ in about 0.1 %
-of super-blocks, by one step of one 6-bit scale or min after a last-bit difference in the
-scale search (``make_qkx2_quants``), and in the codes that follow from it. A ggml built with
+default) reproduces, byte for byte against that library (see tests/test_kquant_oracle.py). A ggml built with
 contraction into FMA (GCC's default ``-ffp-contract=fast`` on an ISA with FMA) is matched more
 closely with :data:`EMULATE_FMA` True: each fused ``a * b + c`` is then evaluated with one
 rounding (the exact product in float64, then the sum rounded to float32; that double rounding
@@ -57,6 +54,8 @@ def _fnma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
+    """A float32 0-dim tensor: ``_f32(c, x) / t`` is a true division (``c / t`` with a Python ``c``
+    is ``t.reciprocal() * c`` in torch, which rounds twice)."""
     return torch.full((), v, dtype=torch.float32, device=like.device)
 
 
@@ -108,8 +107,8 @@ def _make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad):
         sum_x = _fma(w[:, i], x[:, i], sum_x)
     degenerate = mx == mn
     rng = torch.where(degenerate, torch.ones_like(mx), mx - mn)
-    iscale = nmax / rng
-    scale = 1 / iscale
+    iscale = _f32(nmax, x) / rng
+    scale = _f32(1.0, x) / iscale
     xm = x - mn[:, None]
     L = torch.round(iscale[:, None] * xm).clamp(0, nmax)
 
@@ -177,7 +176,7 @@ def _make_qx_quants_rmse1(x, nmax):
             sl2 = _fma(wv[:, i] * lv[:, i], lv[:, i], sl2)
         return lv, slx, sl2
 
-    iscale = -nmax / mxs
+    iscale = _f32(-nmax, x) / mxs
     L, sumlx, suml2 = sums(iscale)
     scale = torch.where(suml2 != 0, sumlx / torch.where(suml2 != 0, suml2, torch.ones_like(suml2)), torch.zeros_like(suml2))
     best = scale * sumlx
@@ -204,7 +203,7 @@ def _make_q3_quants_rmse(x, nmax):
     amax, mx = _first_absmax(x)
     zero = amax < GROUP_MAX_EPS
     mxs = torch.where(zero, torch.ones_like(mx), mx)
-    iscale = -nmax / mxs
+    iscale = _f32(-nmax, x) / mxs
     L = torch.round(iscale[:, None] * x).clamp(-nmax, nmax - 1)
     wv = x * x
     wx = wv * x
@@ -284,15 +283,17 @@ def _k4_common(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     sum_x2 = torch.zeros(nb * 8, dtype=torch.float32, device=x.device)
     for i in range(32):
         sum_x2 = _fma(xs[:, i], xs[:, i], sum_x2)
-    av_x = torch.sqrt(sum_x2 / 32)
+    # sqrt in float64 then rounded: the correctly rounded float32 sqrtf (torch's float32 sqrt on
+    # CPU can be an ulp off, which moves the weights)
+    av_x = torch.sqrt((sum_x2 / _f32(32.0, x)).double()).float()
     w = av_x[:, None] + xs.abs()
     scales, mins, L = _make_qkx2_quants(xs, w, nmax, rmin, 0.1, nstep, False)
     scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
     max_scale = _positive_max(scales)
     max_min = _positive_max(mins)
-    inv_scale = torch.where(max_scale > 0, 63.0 / torch.where(max_scale > 0, max_scale, torch.ones_like(max_scale)),
+    inv_scale = torch.where(max_scale > 0, _f32(63.0, x) / torch.where(max_scale > 0, max_scale, torch.ones_like(max_scale)),
                             torch.zeros_like(max_scale))
-    inv_min = torch.where(max_min > 0, 63.0 / torch.where(max_min > 0, max_min, torch.ones_like(max_min)),
+    inv_min = torch.where(max_min > 0, _f32(63.0, x) / torch.where(max_min > 0, max_min, torch.ones_like(max_min)),
                           torch.zeros_like(max_min))
     # "uint8_t ls = nearest_int(...)": a negative value wraps modulo 256 before MIN(63, ls)
     ls = (torch.round(inv_scale[:, None] * scales).to(torch.int32) & 0xFF).clamp(max=63)
@@ -357,7 +358,7 @@ def _q3_k(x: torch.Tensor) -> torch.Tensor:
     iscale = _f32(-32.0, x) / torch.where(has, max_scale, torch.ones_like(max_scale))
     # "int8_t l = nearest_int(...)" then MAX(-32, MIN(31, l)) + 32
     l6 = torch.where(has[:, None], torch.round(iscale[:, None] * scales).clamp(-32, 31).to(torch.int32) + 32, 0)
-    d_val = torch.where(has, 1 / iscale, torch.zeros_like(iscale))
+    d_val = torch.where(has, _f32(1.0, x) / iscale, torch.zeros_like(iscale))
     sc = torch.where(has[:, None], l6 - 32, 0)  # a block without scale stores zero bytes, decoding to -32
     d = (_fp16_round(d_val)[:, None] * sc.to(torch.float32)).reshape(-1)
     L = (_requant(xs, d, None, -4, 3, L - 4) + 4).reshape(nb, QK_K).to(torch.int32)
@@ -377,7 +378,7 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
     max_abs, max_scale = _first_absmax(scales)
     live = max_abs >= GROUP_MAX_EPS
     iscale = _f32(-128.0, x) / torch.where(live, max_scale, torch.ones_like(max_scale))
-    d_val = torch.where(live, 1 / iscale, torch.zeros_like(iscale))
+    d_val = torch.where(live, _f32(1.0, x) / iscale, torch.zeros_like(iscale))
     sc = torch.where(live[:, None], torch.round(iscale[:, None] * scales).clamp(max=127).to(torch.int32), 0)
     d = (_fp16_round(d_val)[:, None] * sc.to(torch.float32)).reshape(-1)
     L = (_requant(xs, d, None, -32, 31, L - 32) + 32).reshape(nb, QK_K).to(torch.int32)
