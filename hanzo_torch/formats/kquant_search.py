@@ -18,12 +18,18 @@ rounding (the exact product in float64, then the sum rounded to float32; that do
 can differ from a true fused operation when the float64 sum lies halfway between two float32
 values). Devices without float64 (MPS) need it False.
 
+On CPU tensors the C kernel ``csrc/quant/kquants.c`` (:mod:`~hanzo_torch.formats._kquant_native`,
+the same algorithms with every float32 operation rounded once; ``HANZO_QUANT_NATIVE=0`` turns it
+off) runs instead of the torch version when :data:`EMULATE_FMA` is False: the torch version
+takes minutes per million super-blocks on two cores, the kernel seconds.
+
 Non-finite inputs raise ValueError (ggml's C has undefined behaviour there).
 """
 from __future__ import annotations
 
 import torch
 
+from . import _kquant_native
 from ._bits import check_values, pack_bits
 
 __all__ = ["EMULATE_FMA", "quantize_q2_k", "quantize_q3_k", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k"]
@@ -255,8 +261,14 @@ def _checked(blocks: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _chunked(fn):
+    name = fn.__name__[1:5].upper()
+
     def run(blocks: torch.Tensor) -> torch.Tensor:
-        x = _checked(blocks, fn.__name__[1:5].upper())
+        x = _checked(blocks, name)
+        if x.device.type == "cpu" and not EMULATE_FMA and x.shape[0]:
+            out = _kquant_native.quantize(x, name)
+            if out is not None:
+                return out
         if x.shape[0] <= _CHUNK:
             return fn(x)
         return torch.cat([fn(x[s:s + _CHUNK]) for s in range(0, x.shape[0], _CHUNK)])
