@@ -1,0 +1,364 @@
+/* K-quant quantizers (Q2_K .. Q6_K): the CPU kernel behind hanzo_torch.formats.kquant_search.
+ *
+ * The same algorithms as the torch version there (ggml's reference scale searches, facts from
+ * ggml-quants.c), one super-block at a time, float32 sums accumulated value by value. Built with
+ * -ffp-contract=off and without -ffast-math, so every float32 operation rounds once, as in the
+ * torch version with EMULATE_FMA False and in libggml-base as ggml's CMake build compiles it.
+ * Block layouts: ggml-common.h (block_q2_K .. block_q6_K).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 256
+#define EPS 1e-15f
+
+static inline int rnd(float v) { return (int)rintf(v); } /* nearest, ties to even (ggml's nearest_int) */
+static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+static uint16_t to_half(float f) {
+    /* IEEE float32 -> fp16, round to nearest even (finite inputs; overflow gives inf) */
+    uint32_t u; memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
+    if (a < 0x38800000u) { /* fp16 subnormal or zero: exact add of 0.5 shifts the bits into place */
+        float t; memcpy(&t, &a, 4);
+        t += 0.5f;
+        uint32_t tb; memcpy(&tb, &t, 4);
+        return (uint16_t)(sign | (tb - 0x3f000000u));
+    }
+    uint32_t mant_odd = (a >> 13) & 1u;
+    a += 0xc8000fffu + mant_odd; /* rebias the exponent (-112 << 23) and round half to even */
+    return (uint16_t)(sign | (a >> 13));
+}
+
+static float from_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ffu, u;
+    if (e == 0) {
+        float v = (float)m * 5.9604644775390625e-08f; /* 2^-24 */
+        return sign ? -v : v;
+    }
+    if (e == 31) u = sign | 0x7f800000u | (m << 13);
+    else u = sign | ((e + 112) << 23) | (m << 13);
+    float f; memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void put_half(uint8_t *p, float f) { uint16_t h = to_half(f); p[0] = h & 0xff; p[1] = h >> 8; }
+static inline float half_round(float f) { return from_half(to_half(f)); }
+
+/* ggml's make_qkx2_quants; returns the scale, *the_min = -min, L in [0, nmax] */
+static float qkx2(int n, int nmax, const float *x, const float *w, uint8_t *L, float *the_min,
+                  float rmin, float rdelta, int nstep, int use_mad) {
+    uint8_t La[32];
+    float mn = x[0], mx = x[0], sum_w = w[0], sum_x = sum_w * x[0];
+    for (int i = 1; i < n; ++i) {
+        if (x[i] < mn) mn = x[i];
+        if (x[i] > mx) mx = x[i];
+        sum_w += w[i];
+        sum_x += w[i] * x[i];
+    }
+    if (mn > 0) mn = 0;
+    if (mx == mn) {
+        memset(L, 0, (size_t)n);
+        *the_min = -mn;
+        return 0.f;
+    }
+    float iscale = nmax / (mx - mn), scale = 1 / iscale, best = 0;
+    for (int i = 0; i < n; ++i) {
+        L[i] = (uint8_t)clampi(rnd(iscale * (x[i] - mn)), 0, nmax);
+        float diff = scale * L[i] + mn - x[i];
+        diff = use_mad ? fabsf(diff) : diff * diff;
+        best += w[i] * diff;
+    }
+    for (int is = 0; is <= nstep; ++is) {
+        iscale = (rmin + rdelta * is + nmax) / (mx - mn);
+        float sl = 0, sl2 = 0, sxl = 0;
+        for (int i = 0; i < n; ++i) {
+            int l = clampi(rnd(iscale * (x[i] - mn)), 0, nmax);
+            La[i] = (uint8_t)l;
+            float wl = w[i] * l;
+            sl += wl;
+            sl2 += wl * l;
+            sxl += wl * x[i];
+        }
+        float D = sum_w * sl2 - sl * sl;
+        if (D > 0) {
+            float s = (sum_w * sxl - sum_x * sl) / D, m = (sl2 * sum_x - sl * sxl) / D;
+            if (m > 0) { m = 0; s = sxl / sl2; }
+            float err = 0;
+            for (int i = 0; i < n; ++i) {
+                float diff = s * La[i] + m - x[i];
+                diff = use_mad ? fabsf(diff) : diff * diff;
+                err += w[i] * diff;
+            }
+            if (err < best) { memcpy(L, La, (size_t)n); best = err; scale = s; mn = m; }
+        }
+    }
+    *the_min = -mn;
+    return scale;
+}
+
+static void absmax(int n, const float *x, float *amax, float *max) {
+    *amax = 0; *max = 0;
+    for (int i = 0; i < n; ++i) {
+        float a = fabsf(x[i]);
+        if (a > *amax) { *amax = a; *max = x[i]; }
+    }
+}
+
+/* ggml's make_qx_quants with rmse_type 1 and no weights: L in [0, 2 nmax - 1] */
+static float qx_rmse1(int n, int nmax, const float *x, int8_t *L) {
+    float amax, mx;
+    absmax(n, x, &amax, &mx);
+    if (amax < EPS) { memset(L, 0, (size_t)n); return 0.f; }
+    float iscale = -nmax / mx, sumlx = 0, suml2 = 0;
+    for (int i = 0; i < n; ++i) {
+        int l = clampi(rnd(iscale * x[i]), -nmax, nmax - 1);
+        L[i] = (int8_t)(l + nmax);
+        float w = x[i] * x[i];
+        sumlx += w * x[i] * l;
+        suml2 += w * l * l;
+    }
+    float scale = suml2 != 0 ? sumlx / suml2 : 0.f, best = scale * sumlx;
+    for (int is = -9; is <= 9; ++is) {
+        if (is == 0) continue;
+        iscale = -(nmax + 0.1f * is) / mx;
+        sumlx = suml2 = 0;
+        for (int i = 0; i < n; ++i) {
+            int l = clampi(rnd(iscale * x[i]), -nmax, nmax - 1);
+            float w = x[i] * x[i];
+            sumlx += w * x[i] * l;
+            suml2 += w * l * l;
+        }
+        if (suml2 > 0 && sumlx * sumlx > best * suml2) {
+            for (int i = 0; i < n; ++i) L[i] = (int8_t)(nmax + clampi(rnd(iscale * x[i]), -nmax, nmax - 1));
+            scale = sumlx / suml2;
+            best = scale * sumlx;
+        }
+    }
+    return scale;
+}
+
+/* ggml's make_q3_quants with do_rmse: L in [0, 2 nmax - 1] */
+static float q3_rmse(int n, int nmax, const float *x, int8_t *L) {
+    float amax, mx;
+    absmax(n, x, &amax, &mx);
+    if (amax < EPS) { memset(L, 0, (size_t)n); return 0.f; }
+    float iscale = -nmax / mx, sumlx = 0, suml2 = 0;
+    for (int i = 0; i < n; ++i) {
+        int l = clampi(rnd(iscale * x[i]), -nmax, nmax - 1);
+        L[i] = (int8_t)l;
+        float w = x[i] * x[i];
+        sumlx += w * x[i] * l;
+        suml2 += w * l * l;
+    }
+    for (int it = 0; it < 5; ++it) {
+        int changed = 0;
+        for (int i = 0; i < n; ++i) {
+            float w = x[i] * x[i];
+            float slx = sumlx - w * x[i] * L[i];
+            if (slx > 0) {
+                float sl2 = suml2 - w * L[i] * L[i];
+                int nl = clampi(rnd(x[i] * sl2 / slx), -nmax, nmax - 1);
+                if (nl != L[i]) {
+                    slx += w * x[i] * nl;
+                    sl2 += w * nl * nl;
+                    if (sl2 > 0 && slx * slx * suml2 > sumlx * sumlx * sl2) {
+                        L[i] = (int8_t)nl; sumlx = slx; suml2 = sl2; ++changed;
+                    }
+                }
+            }
+        }
+        if (!changed) break;
+    }
+    for (int i = 0; i < n; ++i) L[i] = (int8_t)(L[i] + nmax);
+    return suml2 > 0 ? sumlx / suml2 : 0.f;
+}
+
+/* 2-bit codes L[256] into 64 bytes: per 128 values, 4 bit planes of 32 bytes */
+static void pack2(const uint8_t *L, uint8_t *qs) {
+    for (int j = 0; j < QK; j += 128)
+        for (int l = 0; l < 32; ++l)
+            qs[j / 4 + l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6));
+}
+
+static void q2_k_block(const float *x, uint8_t *y) {
+    uint8_t L[QK];
+    float w[16], sc[16], mn[16], max_s = 0, max_m = 0;
+    for (int j = 0; j < 16; ++j) {
+        for (int l = 0; l < 16; ++l) w[l] = fabsf(x[16 * j + l]);
+        sc[j] = qkx2(16, 3, x + 16 * j, w, L + 16 * j, &mn[j], -0.5f, 0.1f, 15, 1);
+        if (sc[j] > max_s) max_s = sc[j];
+        if (mn[j] > max_m) max_m = mn[j];
+    }
+    uint8_t *scales = y, *qs = y + 16;
+    float d = 0, dm = 0;
+    if (max_s > 0) {
+        float is = 15.f / max_s;
+        for (int j = 0; j < 16; ++j) scales[j] = (uint8_t)rnd(is * sc[j]);
+        d = max_s / 15.f;
+    } else memset(scales, 0, 16);
+    if (max_m > 0) {
+        float im = 15.f / max_m;
+        for (int j = 0; j < 16; ++j) scales[j] |= (uint8_t)(rnd(im * mn[j]) << 4);
+        dm = max_m / 15.f;
+    }
+    put_half(y + 80, d);
+    put_half(y + 82, dm);
+    float dq = half_round(d), dmq = half_round(dm);
+    for (int j = 0; j < 16; ++j) {
+        float dj = dq * (scales[j] & 0xf);
+        if (!dj) continue;
+        float mj = dmq * (scales[j] >> 4);
+        for (int i = 0; i < 16; ++i) L[16 * j + i] = (uint8_t)clampi(rnd((x[16 * j + i] + mj) / dj), 0, 3);
+    }
+    pack2(L, qs);
+}
+
+static void q3_k_block(const float *x, uint8_t *y) {
+    int8_t L[QK];
+    float sc[16], amax = 0, max_s = 0;
+    for (int j = 0; j < 16; ++j) {
+        sc[j] = q3_rmse(16, 4, x + 16 * j, L + 16 * j);
+        float a = fabsf(sc[j]);
+        if (a > amax) { amax = a; max_s = sc[j]; }
+    }
+    uint8_t *hmask = y, *qs = y + 32, *scales = y + 96;
+    memset(scales, 0, 12);
+    float d = 0;
+    if (max_s != 0) {
+        float is = -32.f / max_s;
+        for (int j = 0; j < 16; ++j) {
+            int l = clampi((int8_t)rnd(is * sc[j]), -32, 31) + 32;
+            if (j < 8) scales[j] = (uint8_t)(l & 0xf);
+            else scales[j - 8] |= (uint8_t)((l & 0xf) << 4);
+            scales[j % 4 + 8] |= (uint8_t)((l >> 4) << (2 * (j / 4)));
+        }
+        d = 1 / is;
+    }
+    put_half(y + 108, d);
+    float dq = half_round(d);
+    for (int j = 0; j < 16; ++j) {
+        int s = j < 8 ? scales[j] & 0xf : scales[j - 8] >> 4;
+        s = (s | (((scales[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+        float dj = dq * s;
+        if (!dj) continue;
+        for (int i = 0; i < 16; ++i) L[16 * j + i] = (int8_t)(clampi(rnd(x[16 * j + i] / dj), -4, 3) + 4);
+    }
+    memset(hmask, 0, 32);
+    uint8_t U[QK];
+    for (int j = 0; j < QK; ++j) {
+        int l = L[j];
+        if (l > 3) { hmask[j % 32] |= (uint8_t)(1 << (j / 32)); l -= 4; }
+        U[j] = (uint8_t)l;
+    }
+    pack2(U, qs);
+}
+
+/* Q4_K / Q5_K: d, dmin, 12 scale bytes, then the codes L[256] (returned) */
+static void k4_head(const float *x, uint8_t *y, uint8_t *L, int nmax, float rmin, int nstep) {
+    float w[32], sc[8], mn[8], max_s = 0, max_m = 0;
+    for (int j = 0; j < 8; ++j) {
+        const float *xj = x + 32 * j;
+        float s2 = 0;
+        for (int l = 0; l < 32; ++l) s2 += xj[l] * xj[l];
+        float av = sqrtf(s2 / 32);
+        for (int l = 0; l < 32; ++l) w[l] = av + fabsf(xj[l]);
+        sc[j] = qkx2(32, nmax, xj, w, L + 32 * j, &mn[j], rmin, 0.1f, nstep, 0);
+        if (sc[j] > max_s) max_s = sc[j];
+        if (mn[j] > max_m) max_m = mn[j];
+    }
+    float is = max_s > 0 ? 63.f / max_s : 0.f, im = max_m > 0 ? 63.f / max_m : 0.f;
+    uint8_t ls[8], lm[8], *scales = y + 4;
+    for (int j = 0; j < 8; ++j) {
+        uint8_t a = (uint8_t)rnd(is * sc[j]), b = (uint8_t)rnd(im * mn[j]);
+        ls[j] = a < 63 ? a : 63;
+        lm[j] = b < 63 ? b : 63;
+    }
+    for (int j = 0; j < 4; ++j) {
+        scales[j] = (uint8_t)(ls[j] | ((ls[j + 4] >> 4) << 6));
+        scales[j + 4] = (uint8_t)(lm[j] | ((lm[j + 4] >> 4) << 6));
+        scales[j + 8] = (uint8_t)((ls[j + 4] & 0xf) | ((lm[j + 4] & 0xf) << 4));
+    }
+    put_half(y, max_s / 63.f);
+    put_half(y + 2, max_m / 63.f);
+    float dq = half_round(max_s / 63.f), dmq = half_round(max_m / 63.f);
+    for (int j = 0; j < 8; ++j) {
+        float dj = dq * ls[j];
+        if (!dj) continue;
+        float mj = dmq * lm[j];
+        for (int i = 0; i < 32; ++i) L[32 * j + i] = (uint8_t)clampi(rnd((x[32 * j + i] + mj) / dj), 0, nmax);
+    }
+}
+
+static void q4_k_block(const float *x, uint8_t *y) {
+    uint8_t L[QK];
+    k4_head(x, y, L, 15, -1.f, 20);
+    uint8_t *q = y + 16;
+    for (int j = 0; j < QK; j += 64, q += 32)
+        for (int l = 0; l < 32; ++l) q[l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 4));
+}
+
+static void q5_k_block(const float *x, uint8_t *y) {
+    uint8_t L[QK];
+    k4_head(x, y, L, 31, -0.5f, 15);
+    uint8_t *qh = y + 16, *ql = y + 48;
+    memset(qh, 0, 32);
+    for (int j = 0; j < QK; j += 64, ql += 32)
+        for (int l = 0; l < 32; ++l) {
+            int a = L[j + l], b = L[j + l + 32], plane = j / 32;
+            if (a > 15) { a -= 16; qh[l] |= (uint8_t)(1 << plane); }
+            if (b > 15) { b -= 16; qh[l] |= (uint8_t)(1 << (plane + 1)); }
+            ql[l] = (uint8_t)(a | (b << 4));
+        }
+}
+
+static void q6_k_block(const float *x, uint8_t *y) {
+    int8_t L[QK];
+    float sc[16], amax = 0, max_s = 0;
+    for (int j = 0; j < 16; ++j) {
+        sc[j] = qx_rmse1(16, 32, x + 16 * j, L + 16 * j);
+        float a = fabsf(sc[j]);
+        if (a > amax) { amax = a; max_s = sc[j]; }
+    }
+    if (amax < EPS) { memset(y, 0, 210); return; }
+    uint8_t *ql = y, *qh = y + 128;
+    int8_t *scales = (int8_t *)(y + 192);
+    float is = -128.f / max_s;
+    put_half(y + 208, 1 / is);
+    for (int j = 0; j < 16; ++j) {
+        int v = rnd(is * sc[j]);
+        scales[j] = (int8_t)(v < 127 ? v : 127);
+    }
+    float dq = half_round(1 / is);
+    for (int j = 0; j < 16; ++j) {
+        float dj = dq * scales[j];
+        if (!dj) continue;
+        for (int i = 0; i < 16; ++i) L[16 * j + i] = (int8_t)(clampi(rnd(x[16 * j + i] / dj), -32, 31) + 32);
+    }
+    for (int j = 0; j < QK; j += 128, ql += 64, qh += 32)
+        for (int l = 0; l < 32; ++l) {
+            int a = L[j + l], b = L[j + l + 32], c = L[j + l + 64], e = L[j + l + 96];
+            ql[l] = (uint8_t)((a & 0xf) | ((c & 0xf) << 4));
+            ql[l + 32] = (uint8_t)((b & 0xf) | ((e & 0xf) << 4));
+            qh[l] = (uint8_t)((a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6));
+        }
+}
+
+typedef void (*block_fn)(const float *, uint8_t *);
+
+/* Quantize n super-blocks of 256 floats at x into y (type_size bytes each), nthreads threads.
+ * kind: 2..6 for Q2_K..Q6_K. Returns 0, or -1 for an unknown kind. */
+int hz_quantize_k(int kind, const float *x, uint8_t *y, int64_t n, int nthreads) {
+    static const block_fn fns[7] = {0, 0, q2_k_block, q3_k_block, q4_k_block, q5_k_block, q6_k_block};
+    static const int sizes[7] = {0, 0, 84, 110, 144, 176, 210};
+    if (kind < 2 || kind > 6) return -1;
+    block_fn f = fns[kind];
+    int ts = sizes[kind];
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < n; ++i) f(x + i * QK, y + i * ts);
+    return 0;
+}

@@ -1,0 +1,91 @@
+"""The C kernel of the K-quant quantizers (``csrc/quant/kquants.c``), loaded through ctypes.
+
+Compiled on first use with the system C compiler (``$CC``, default ``cc``; about a second) into
+``~/.cache/hanzo-torch/ext/quant-<hash>/`` keyed by the source's hash, with
+``-O2 -ffp-contract=off`` and OpenMP. ``HANZO_QUANT_NATIVE=0`` turns it off (the torch version
+runs instead; the two give the same bytes). Without a C compiler the torch version runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_PKG = Path(__file__).resolve().parents[1] / "_csrc" / "quant" / "kquants.c"
+SOURCE = _PKG if _PKG.is_file() else Path(__file__).resolve().parents[2] / "csrc" / "quant" / "kquants.c"
+KINDS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_error: Optional[str] = None
+
+
+def enabled() -> bool:
+    """True unless ``HANZO_QUANT_NATIVE=0``."""
+    return os.environ.get("HANZO_QUANT_NATIVE", "1") != "0"
+
+
+def _build() -> ctypes.CDLL:
+    src = SOURCE.read_bytes()
+    cc = os.environ.get("CC", "cc")
+    flags = ["-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
+    key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
+    out_dir = Path(os.environ.get("HANZO_EXT_CACHE", Path.home() / ".cache" / "hanzo-torch" / "ext")) / f"quant-{key}"
+    so = out_dir / "libhzquant.so"
+    if not so.is_file():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed on {SOURCE}: {r.stderr.strip()[-2000:]}")
+            os.replace(tmp, so)  # atomic: a concurrent build just replaces it with the same bytes
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(so))
+    lib.hz_quantize_k.restype = ctypes.c_int
+    lib.hz_quantize_k.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded kernel library, or None (disabled, or it could not be built: see :func:`error`)."""
+    global _lib, _error
+    if not enabled():
+        return None
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except (OSError, RuntimeError) as e:
+                _error = str(e)
+        return _lib
+
+
+def error() -> Optional[str]:
+    """Why the kernel could not be built, or None."""
+    return _error
+
+
+def quantize(x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
+    """Quantize finite float32 super-blocks ``x [n, 256]`` on the CPU to ``name``; None if unavailable."""
+    lib = library()
+    if lib is None or x.device.type != "cpu":
+        return None
+    from . import get_format
+    fmt = get_format(name)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], fmt.type_size, dtype=torch.uint8)
+    rc = lib.hz_quantize_k(KINDS[name], x.data_ptr(), out.data_ptr(), x.shape[0], max(1, torch.get_num_threads()))
+    if rc != 0:
+        raise RuntimeError(f"hz_quantize_k({name}) returned {rc}")
+    return out
