@@ -3,7 +3,7 @@
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
         [--llama-bench PATH ...] [--ik-llama-bench PATH [--ik-args "-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
-        [--busy-kind spin|matmul] [--profile]
+        [--busy-kind spin|matmul] [--matvec-ab] [--profile]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
 per row per round, ``--reps`` rounds), so load on a shared machine hits them alike; the table gives
@@ -44,6 +44,10 @@ engines' parallel-region counters over its measurements: regions, the share run 
 adaptive thread count, and the share of parallel regions slower than their calling thread's
 estimate of running them alone ("lost": a late or descheduled thread). The one-minute load
 average is printed with every round.
+
+``--matvec-ab`` adds our model once more with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows
+(``set_matvec512(False)``, what ``HANZO_CPU_MATVEC512=0`` gives), same weights, alternating; its
+ratio column is 512-bit / 256-bit rows.
 
 ``--busy N`` starts N extra processes beside the engines for the whole run (the busy-machine
 case): ``--busy-kind spin`` (default) a Python busy loop each, ``matmul`` a one-thread float32
@@ -163,6 +167,24 @@ class HanzoFixedThreads:
     def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
         with hcpu.adaptive_threads(False):
             return self.ours.measure(row, ctx, ids)
+
+
+class HanzoMatvec256:
+    """The same loaded model with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows instead of its
+    512-bit ones (``--matvec-ab``; ``HANZO_CPU_MATVEC512=0``)."""
+
+    name = "hanzo-torch (256-bit mat-vec)"
+
+    def __init__(self, ours: Hanzo):
+        self.ours, self.version = ours, ours.version
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        wide = hcpu.matvec512()
+        hcpu.set_matvec512(False)
+        try:
+            return self.ours.measure(row, ctx, ids)
+        finally:
+            hcpu.set_matvec512(wide)
 
 
 class LlamaCpp:
@@ -378,6 +400,8 @@ def main() -> None:
                     help="also run our model with the earlier (BLAS GEMM tile) prompt attention kernel")
     ap.add_argument("--threads-ab", action="store_true",
                     help="also run our model with the adaptive thread count off")
+    ap.add_argument("--matvec-ab", action="store_true",
+                    help="also run our model with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.rows is not None and (args.pp is not None or args.tg is not None):
@@ -402,6 +426,8 @@ def main() -> None:
         engines.append(HanzoGemmAttention(engines[0]))
     if args.threads_ab:
         engines.append(HanzoFixedThreads(engines[0]))
+    if args.matvec_ab:
+        engines.append(HanzoMatvec256(engines[0]))
     if not args.no_llama_cpp:
         try:
             engines.append(LlamaCpp(args.model, n_ctx, args.threads))
@@ -442,7 +468,7 @@ def main() -> None:
                 ctx = torch.randint(100, 20000, (row.ctx_len,), generator=g).tolist()
                 ids = torch.randint(100, 20000, (row.n if row.kind == "pp" else 0,), generator=g).tolist()
                 for e in engines:
-                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoFixedThreads)) else None
+                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoFixedThreads, HanzoMatvec256)) else None
                     v = e.measure(row, ctx, ids)
                     if s0 is not None:
                         s1 = hcpu.thread_stats()
