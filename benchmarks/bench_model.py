@@ -2,8 +2,8 @@
 
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
-        [--llama-bench PATH] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
-        [--busy-kind spin|matmul] [--profile]
+        [--llama-bench PATH ...] [--ik-llama-bench PATH [--ik-args "-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
+        [--busy-kind spin|matmul] [--matvec-ab] [--profile]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
 per row per round, ``--reps`` rounds), so load on a shared machine hits them alike; the table gives
@@ -16,7 +16,11 @@ medians, ranges and the ratio hanzo-torch / llama.cpp per row:
 - ``--llama-bench PATH``: llama.cpp's own ``llama-bench`` binary as a subprocess, one
   ``-r 1 -o json`` run per row per round (it loads the model and does its own warm-up run each
   time; only its timed run counts). Depth rows use its ``-d`` (``--n-depth``) flag; a build
-  without it (older than mid-2025) gets "n/a" on those rows.
+  without it (older than mid-2025) gets "n/a" on those rows. Repeatable: each binary is one engine.
+- ``--ik-llama-bench PATH``: ik_llama.cpp's ``llama-bench`` the same way (extra flags of its own,
+  e.g. ``-rtr 1`` for its run-time repack, in ``--ik-args``). Its depth rows use ``-gp D,N`` (tg N
+  after a D-token prompt, only the N steps timed: the same as llama-bench's ``-d D -n N``); it has
+  no pp at depth (n/a).
 
 Rows (``--rows``, comma-separated; ``--pp 128,512`` / ``--tg 128`` are shorthands for
 ``pp128,pp512,tg128``), the protocol of llama-bench:
@@ -41,6 +45,10 @@ adaptive thread count, and the share of parallel regions slower than their calli
 estimate of running them alone ("lost": a late or descheduled thread). The one-minute load
 average is printed with every round.
 
+``--matvec-ab`` adds our model once more with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows
+(``set_matvec512(False)``, what ``HANZO_CPU_MATVEC512=0`` gives), same weights, alternating; its
+ratio column is 512-bit / 256-bit rows.
+
 ``--busy N`` starts N extra processes beside the engines for the whole run (the busy-machine
 case): ``--busy-kind spin`` (default) a Python busy loop each, ``matmul`` a one-thread float32
 512x512 matmul loop each (also loads caches and memory bandwidth). They are stopped at exit.
@@ -53,6 +61,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -160,6 +169,24 @@ class HanzoFixedThreads:
             return self.ours.measure(row, ctx, ids)
 
 
+class HanzoMatvec256:
+    """The same loaded model with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows instead of its
+    512-bit ones (``--matvec-ab``; ``HANZO_CPU_MATVEC512=0``)."""
+
+    name = "hanzo-torch (256-bit mat-vec)"
+
+    def __init__(self, ours: Hanzo):
+        self.ours, self.version = ours, ours.version
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        wide = hcpu.matvec512()
+        hcpu.set_matvec512(False)
+        try:
+            return self.ours.measure(row, ctx, ids)
+        finally:
+            hcpu.set_matvec512(wide)
+
+
 class LlamaCpp:
     name = "llama.cpp (llama-cpp-python)"
 
@@ -193,33 +220,43 @@ class LlamaCpp:
 
 
 class LlamaBench:
-    """llama.cpp's ``llama-bench`` binary: one ``-r 1 -o json`` run per measurement (its own random
-    tokens, its own warm-up run first); the measurement is its ``avg_ts``."""
+    """A ``llama-bench`` binary (llama.cpp's or ik_llama.cpp's): one ``-r 1 -o json`` run per
+    measurement (its own random tokens, its own warm-up run first); the measurement is its ``avg_ts``.
+    Depth rows: ``-d D`` where the binary lists ``--n-depth``, else ``-gp D,N`` for tg rows where it
+    lists ``-gp`` (ik_llama.cpp), else n/a. ``extra``: more flags for every run. Raises ValueError
+    naming ``flag`` when ``binary`` is not an executable llama-bench."""
 
-    name = "llama-bench"
-
-    def __init__(self, binary: str, path: str, threads: int):
+    def __init__(self, binary: str, path: str, threads: int, flag: str = "--llama-bench",
+                 name: str = "llama-bench", extra: list[str] | None = None):
         exe = shutil.which(binary) or binary
         if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
-            raise ValueError(f"--llama-bench: {binary!r} is not an executable file")
-        self.exe, self.path, self.threads = exe, path, threads
+            raise ValueError(f"{flag}: {binary!r} is not an executable file")
+        self.exe, self.path, self.threads, self.extra = exe, path, threads, list(extra or [])
+        self.name = name + (f" {' '.join(self.extra)}" if self.extra else "")
         try:
             h = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise ValueError(f"--llama-bench: {exe} --help failed: {e}") from e
+            raise ValueError(f"{flag}: {exe} --help failed: {e}") from e
         text = h.stdout + h.stderr
         if "--n-prompt" not in text:
-            raise ValueError(f"--llama-bench: {exe} --help does not list --n-prompt; is it llama-bench?")
-        self.has_depth = "--n-depth" in text
+            raise ValueError(f"{flag}: {exe} --help does not list --n-prompt; is it llama-bench?")
+        self.has_d = "--n-depth" in text
+        self.has_gp = re.search(r"^\s*-gp\b", text, re.M) is not None
+        self.has_depth = self.has_d or self.has_gp
         self.version = "?"
 
     def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float | None:
-        if row.depth and not self.has_depth:
-            return None  # this build has no -d: the row is n/a
-        cmd = [self.exe, "-m", self.path, "-t", str(self.threads), "-r", "1", "-o", "json",
-               "-p", str(row.n if row.kind == "pp" else 0), "-n", str(row.n if row.kind == "tg" else 0)]
-        if row.depth:
-            cmd += ["-d", str(row.depth)]
+        cmd = [self.exe, "-m", self.path, "-t", str(self.threads), "-r", "1", "-o", "json", *self.extra]
+        want_prompt = row.n if row.kind == "pp" else 0
+        if not row.depth:
+            cmd += ["-p", str(want_prompt), "-n", str(row.n if row.kind == "tg" else 0)]
+        elif self.has_d:
+            cmd += ["-p", str(want_prompt), "-n", str(row.n if row.kind == "tg" else 0), "-d", str(row.depth)]
+        elif self.has_gp and row.kind == "tg":  # the records of -gp carry n_prompt = D, n_gen = N
+            cmd += ["-p", "0", "-n", "0", "-gp", f"{row.depth},{row.n}"]
+            want_prompt = row.depth
+        else:
+            return None  # no way to run this row at a depth: n/a
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited with {r.returncode}: {r.stderr.strip()[-500:]}")
@@ -228,8 +265,9 @@ class LlamaBench:
         except json.JSONDecodeError as e:
             raise RuntimeError(f"{' '.join(cmd)}: output is not JSON ({e}): {r.stdout[:200]!r}") from e
         for rec in recs:
-            n = rec.get("n_prompt", 0) if row.kind == "pp" else rec.get("n_gen", 0)
-            if n == row.n and rec.get("n_depth", 0) == row.depth:
+            n = rec.get("n_gen", 0) if row.kind == "tg" else rec.get("n_prompt", 0)
+            ok = n == row.n and (rec.get("n_prompt", 0) == want_prompt if row.kind == "tg" else True)
+            if ok and (self.has_gp and not self.has_d or rec.get("n_depth", 0) == row.depth):
                 self.version = f"build {rec.get('build_number', '?')} ({rec.get('build_commit', '?')})"
                 return float(rec["avg_ts"])
         raise RuntimeError(f"{' '.join(cmd)}: no result for {row.name} in its output")
@@ -350,7 +388,11 @@ def main() -> None:
     ap.add_argument("--pp", default=None, help="shorthand: rows pp<N> for these N (with --tg, instead of --rows)")
     ap.add_argument("--tg", type=int, default=None, help="shorthand: row tg<N>")
     ap.add_argument("--reps", "-r", type=int, default=3, help="rounds (one measurement per engine per row each)")
-    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary to compare with")
+    ap.add_argument("--llama-bench", action="append", default=[], metavar="PATH",
+                    help="llama.cpp's llama-bench binary to compare with (repeatable: one engine each)")
+    ap.add_argument("--ik-llama-bench", default=None, metavar="PATH", help="ik_llama.cpp's llama-bench binary")
+    ap.add_argument("--ik-args", default="", metavar="FLAGS",
+                    help='extra flags for every ik_llama.cpp run, e.g. "-rtr 1" (its run-time repack)')
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python engine")
     ap.add_argument("--busy", type=int, default=0, metavar="N", help="run N busy processes beside the engines")
     ap.add_argument("--busy-kind", choices=sorted(BUSY_CODE), default="spin")
@@ -358,6 +400,8 @@ def main() -> None:
                     help="also run our model with the earlier (BLAS GEMM tile) prompt attention kernel")
     ap.add_argument("--threads-ab", action="store_true",
                     help="also run our model with the adaptive thread count off")
+    ap.add_argument("--matvec-ab", action="store_true",
+                    help="also run our model with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.rows is not None and (args.pp is not None or args.tg is not None):
@@ -382,19 +426,27 @@ def main() -> None:
         engines.append(HanzoGemmAttention(engines[0]))
     if args.threads_ab:
         engines.append(HanzoFixedThreads(engines[0]))
+    if args.matvec_ab:
+        engines.append(HanzoMatvec256(engines[0]))
     if not args.no_llama_cpp:
         try:
             engines.append(LlamaCpp(args.model, n_ctx, args.threads))
         except ImportError:
             print("llama-cpp-python is not installed: no in-process llama.cpp (pip install llama-cpp-python)",
                   file=sys.stderr)
-    if args.llama_bench:
+    benches = [(b, "--llama-bench", "llama-bench" + (f" #{i + 1}" if len(args.llama_bench) > 1 else ""), [])
+               for i, b in enumerate(args.llama_bench)]
+    if args.ik_llama_bench:
+        benches.append((args.ik_llama_bench, "--ik-llama-bench", "ik_llama.cpp llama-bench", shlex.split(args.ik_args)))
+    elif args.ik_args:
+        ap.error("--ik-args needs --ik-llama-bench")
+    for binary, flag, name, extra in benches:
         try:
-            engines.append(LlamaBench(args.llama_bench, args.model, args.threads))
+            engines.append(LlamaBench(binary, args.model, args.threads, flag=flag, name=name, extra=extra))
         except ValueError as e:
             ap.error(str(e))
         if not engines[-1].has_depth and any(r.depth for r in rows):
-            print(f"{args.llama_bench} has no -d/--n-depth: its depth rows are n/a", file=sys.stderr)
+            print(f"{binary} has no -d/--n-depth nor -gp: its depth rows are n/a", file=sys.stderr)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     print(f"cpu: {cpu}; backend: cpu, ISA {hcpu.ISA_NAMES[hcpu.default_isa()]}; threads: {args.threads}; "
           f"busy: {args.busy} ({args.busy_kind}); model: {os.path.basename(args.model)}")
@@ -416,7 +468,7 @@ def main() -> None:
                 ctx = torch.randint(100, 20000, (row.ctx_len,), generator=g).tolist()
                 ids = torch.randint(100, 20000, (row.n if row.kind == "pp" else 0,), generator=g).tolist()
                 for e in engines:
-                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoFixedThreads)) else None
+                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoFixedThreads, HanzoMatvec256)) else None
                     v = e.measure(row, ctx, ids)
                     if s0 is not None:
                         s1 = hcpu.thread_stats()

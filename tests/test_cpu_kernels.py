@@ -317,3 +317,53 @@ def test_gemm_blocking_knob(ext):
     finally:
         ext.set_gemm_blocking(*before)
     assert ext.gemm_blocking() == before
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("K", [256, 1536, 2304])
+def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
+    """The AVX-512 level's 512-bit one-row mat-vec (two 32-value chunks per step) against the same
+    level's 256-bit rows (HANZO_CPU_MATVEC512=0) and the avx2 level: the int32 sums fold to the same
+    lanes and the float fix-up is shared, so the bits are equal; and against the dequantized
+    reference within float32 roundings. Every AVX-512 level present (native and SIMDe-simulated)."""
+    levels = [lv for lv in ("avx512", "avx512-sim") if lv in hcpu.isa_levels()]
+    if not levels:
+        pytest.skip("no AVX-512 level here (no AVX-512 CPU, and the extension was built without SIMDe)")
+    N = 37
+    w = random_blocks(qtype, N, K, seed=21)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(22)) * 3
+    wide = hcpu.matvec512()
+    try:
+        for level in levels:
+            hcpu.set_matvec512(False)
+            y256 = hcpu.mul_mat(x, w, qtype, isa=level)
+            hcpu.set_matvec512(True)
+            y512 = hcpu.mul_mat(x, w, qtype, isa=level)
+            assert torch.equal(y512, y256), level
+            if "avx2" in hcpu.isa_levels():
+                assert torch.equal(y512, hcpu.mul_mat(x, w, qtype, isa="avx2")), level
+    finally:
+        hcpu.set_matvec512(wide)
+    wf = quant.dequantize(w, qtype, [N, K], torch.float32).double()
+    xq, xd, _ = ext.quantize_activation(x, 256, 0)
+    xh = (xq.double().reshape(1, -1, 256) * xd.double().reshape(1, -1, 1)).reshape(1, K)
+    bound = 1e-5 * (xh.abs() @ wf.abs().t()) + 1e-30
+    assert ((y512.double() - xh @ wf.t()).abs() <= bound).all()
+    assert not torch.equal(y512, torch.zeros_like(y512))
+
+
+def test_matvec512_environment_variable(ext, monkeypatch):
+    wide = hcpu.matvec512()
+    try:
+        for value, on in (("0", False), ("1", True), ("", True)):
+            monkeypatch.setenv("HANZO_CPU_MATVEC512", value)
+            hcpu._configure(ext)
+            assert hcpu.matvec512() is on, value
+        monkeypatch.setenv("HANZO_CPU_MATVEC512", "wide")
+        with pytest.raises(ValueError, match="HANZO_CPU_MATVEC512"):
+            hcpu.check_environment()
+        with pytest.warns(RuntimeWarning, match="HANZO_CPU_MATVEC512"):
+            hcpu._configure(ext)
+        assert hcpu.matvec512()
+    finally:
+        hcpu.set_matvec512(wide)

@@ -58,6 +58,9 @@ extern const int8_t* hz_tables[HZ_N_TABLES];
 extern int64_t hz_prefetch_bytes;
 // 1: the AVX-512 level's GEMM uses its 512-bit kernels (kernels_gemm512.h); 0: its 256-bit ones.
 extern int hz_gemm512;
+// 1: the AVX-512 level's M = 1 mat-vec of Q4_K and Q6_K uses its 512-bit rows (kernels_matvec.h);
+// 0: the 256-bit rows of the other levels. Same bits either way.
+extern int hz_matvec512;
 // GEMM cache blocking: K panel in values (a multiple of 256) and M block in rows (see ops.cpp).
 extern int64_t hz_gemm_kc, hz_gemm_mc;
 }

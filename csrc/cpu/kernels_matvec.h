@@ -187,6 +187,95 @@ static void matvec_tile(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
     }
 }
 
+#if HZ_ISA >= 2
+// AVX-512 mat-vec rows of Q4_K and Q6_K (hz_matvec512, HANZO_CPU_MATVEC512): each 512-bit step
+// covers two 32-value chunks, 64 consecutive activations, so a block takes 4 maddubs + 4 dpwssd
+// and about half the vector instructions of the 256-bit row above; the 16 int32 partial sums fold
+// to 8 (lane i + lane i+8 = what lane i of the 256-bit row sums), and the float fix-up is that
+// row's, so the results are the same bits.
+template <class T> struct Mv512 { static constexpr bool ON = false, Q4K = false; };
+template <> struct Mv512<FQ4_K> { static constexpr bool ON = true, Q4K = true; };
+template <> struct Mv512<FQ6_K> { static constexpr bool ON = true, Q4K = false; };
+
+// int16 word w of the result: base + w / 8 (the 16-value group of each 128-bit lane)
+static inline __m512i lane_idx16(int base) {
+    const int v = base | base << 16, one = 1 | 1 << 16;
+    return _mm512_setr_epi32(v, v, v, v, v + one, v + one, v + one, v + one, v + 2 * one, v + 2 * one, v + 2 * one,
+                             v + 2 * one, v + 3 * one, v + 3 * one, v + 3 * one, v + 3 * one);
+}
+
+static inline __m256i fold512(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+template <class T>
+static inline float matvec_row512(const uint8_t* row, const HzAct* a, int64_t m) {
+    typedef Hooks<T> H;
+    const int64_t K = a->K, nb = K / T::QK;
+    const int8_t* xq = a->q + m * K; const float* xd = a->d + m * nb; const int16_t* xs = a->s + m * (K / 16);
+    __m256 acc = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * T::BYTES;
+        for (int off = 0; off < T::BYTES; off += 64) _mm_prefetch((const char*)(blk + hz_prefetch_bytes + off), _MM_HINT_T0);
+        typename H::Prep p;
+        H::prep(blk, p);
+        const int8_t* x = xq + b * T::QK;
+        __m512i is0 = _mm512_setzero_si512(), is1 = _mm512_setzero_si512();
+        if constexpr (Mv512<T>::Q4K) {
+            // qs bytes 32j..32j+31: low nibbles chunk 2j, high nibbles chunk 2j+1 (upper 256 bits,
+            // shifted by 4 within 64-bit lanes); sc16 dword c holds chunk c's scale twice
+            const __m512i sh = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+            const __m512i sc = _mm512_castsi256_si512(p.sc16);
+            const uint8_t* qs = blk + HZ_OFF(FQ4_K, qs);
+            for (int j = 0; j < 4; ++j) {
+                const __m512i q = _mm512_and_si512(
+                    _mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * j))), sh), m4);
+                const __m512i s = _mm512_permutexvar_epi32(
+                    _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1,
+                                      2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1), sc);
+                const __m512i pr = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void*)(x + 64 * j)));
+                if (j & 1) is1 = _mm512_dpwssd_epi32(is1, pr, s);
+                else is0 = _mm512_dpwssd_epi32(is0, pr, s);
+            }
+        } else {
+            // half h (128 values): ql bytes 64h..64h+63 give chunks 4h, 4h+1 (low nibbles) and
+            // 4h+2, 4h+3 (high); qh bytes 32h..32h+31 bits 2k..2k+1 are chunk 4h+k's top bits;
+            // every 16 values have their own int8 scale (128-bit lane L of step i: scale 4i + L)
+            const __m512i sc = _mm512_castsi256_si512(p.sc16);
+            const __m512i m30 = _mm512_set1_epi8(0x30);
+            for (int h = 0; h < 2; ++h) {
+                const __m512i ql = _mm512_loadu_si512((const void*)(blk + HZ_OFF(FQ6_K, ql) + 64 * h));
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + HZ_OFF(FQ6_K, qh) + 32 * h)));
+                const __m512i q0 = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                                   _mm512_and_si512(_mm512_sllv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)), m30));
+                const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                                   _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), m30));
+                const int i0 = 8 * h, i1 = 8 * h + 4;  // scale index of each step's lane 0
+                const __m512i s0 = _mm512_permutexvar_epi16(lane_idx16(i0), sc);
+                const __m512i s1 = _mm512_permutexvar_epi16(lane_idx16(i1), sc);
+                is0 = _mm512_dpwssd_epi32(is0, _mm512_maddubs_epi16(q0, _mm512_loadu_si512((const void*)(x + 128 * h))), s0);
+                is1 = _mm512_dpwssd_epi32(is1, _mm512_maddubs_epi16(q1, _mm512_loadu_si512((const void*)(x + 128 * h + 64))), s1);
+            }
+        }
+        __m256i is = fold512(_mm512_add_epi32(is0, is1));
+        if constexpr (H::HAS_MIN && H::MIN_LOG2 >= 0) {  // as matvec_row
+            const __m256i mm = _mm256_madd_epi16(p.mn16, _mm256_loadu_si256((const __m256i*)(xs + b * 16)));
+            is = _mm256_sub_epi32(is, _mm256_slli_epi32(mm, H::MIN_LOG2));
+        }
+        if constexpr (H::DM_F16) {
+            const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)rd_u32(blk))), _mm_set1_ps(xd[b]));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_broadcastss_ps(dm), acc);
+            const __m256i mm = _mm256_madd_epi16(p.mn16, _mm256_loadu_si256((const __m256i*)(xs + b * 16)));
+            acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_broadcastss_ps(_mm_movehdup_ps(dm)), acc);
+        } else {
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(p.d * xd[b]), acc);
+        }
+    }
+    return hsum8(acc);
+}
+#endif
+
 template <class T>
 static void matvec_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
                         float* y, int64_t ldy) {
@@ -196,6 +285,14 @@ static void matvec_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
         case 3: matvec_tile<T, 3>(W, rb, n0, n1, a, m0, y, ldy); break;
         case 2: matvec_tile<T, 2>(W, rb, n0, n1, a, m0, y, ldy); break;
         case 1:
+#if HZ_ISA >= 2
+            if constexpr (Mv512<T>::ON) {
+                if (hz_matvec512) {
+                    for (int64_t n = n0; n < n1; ++n) y[m0 * ldy + n] = matvec_row512<T>(W + n * rb, a, m0);
+                    break;
+                }
+            }
+#endif
             for (int64_t n = n0; n < n1; ++n) y[m0 * ldy + n] = matvec_row<T>(W + n * rb, a, m0);
             break;
         default: break;

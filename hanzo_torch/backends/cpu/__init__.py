@@ -32,6 +32,8 @@ and A/B); ``HANZO_MUL_MAT_FALLBACK=1`` etc. select the torch reference.
 On ``avx512`` (and ``avx512-sim``) the prefill GEMM runs 512-bit register tiles (``vpdpbusd`` for the 32-value formats,
 ``vpmaddubsw`` + ``vpdpwssd`` for the 256-value ones); ``HANZO_CPU_GEMM512=0`` (read when the
 kernels load) or :func:`set_gemm512` gives that level's 256-bit tiles instead, for A/B runs.
+Its decode mat-vec (M = 1) of Q4_K and Q6_K runs 512-bit rows, two 32-value chunks per step, with
+the same bits as the 256-bit rows; ``HANZO_CPU_MATVEC512=0`` or :func:`set_matvec512` gives those.
 
 Threads: torch's intra-op pool (``torch.set_num_threads``). Each parallel region of the kernels
 hands out tasks from a shared counter; an adaptive thread count runs the regions on the calling
@@ -63,7 +65,8 @@ from ...ops import _dispatch
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build",
-           "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512"]
+           "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
+           "set_matvec512", "matvec512"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
@@ -308,6 +311,7 @@ def check_environment() -> None:
         raise ValueError(f"HANZO_CPU_ISA={_FORCED_ISA!r}: expected one of {', '.join(_ISA_BY_NAME)}")
     _adaptive_env()
     _flag_env("HANZO_CPU_GEMM512")
+    _flag_env("HANZO_CPU_MATVEC512")
 
 
 def default_isa() -> int:
@@ -474,6 +478,11 @@ def _configure(ext) -> None:
     except ValueError as e:
         warnings.warn(f"hanzo_torch: {e}; the 512-bit GEMM stays on", RuntimeWarning, stacklevel=2)
         ext.set_gemm512(True)
+    try:
+        ext.set_matvec512(_flag_env("HANZO_CPU_MATVEC512"))
+    except ValueError as e:
+        warnings.warn(f"hanzo_torch: {e}; the 512-bit mat-vec stays on", RuntimeWarning, stacklevel=2)
+        ext.set_matvec512(True)
     for op in _dispatch.reference_ops():
         ext.set_reference(op, True)
     if not _configured:
@@ -574,6 +583,22 @@ def set_gemm512(enabled: bool) -> None:
 def gemm512() -> bool:
     """Whether the ``avx512`` level's GEMM uses its 512-bit tiles (:func:`set_gemm512`)."""
     return bool(_ext_or_raise().gemm512())
+
+
+def set_matvec512(enabled: bool) -> None:
+    """On the ``avx512`` level, run the one-row mat-vec (decode, M = 1) of Q4_K and Q6_K on
+    512-bit rows (True, the default) or on the 256-bit rows of the ``avx2`` level (False), for A/B
+    runs; other levels and formats ignore it. The results are the same bits either way.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_matvec512(bool(enabled))
+
+
+def matvec512() -> bool:
+    """Whether the ``avx512`` level's Q4_K/Q6_K mat-vec uses its 512-bit rows (:func:`set_matvec512`)."""
+    return bool(_ext_or_raise().matvec512())
 
 
 def set_adaptive_threads(enabled: bool) -> None:
