@@ -73,6 +73,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=_positive_int, metavar="N", help="KV cache length in tokens")
     p.add_argument("--kv-dtype", default="auto", choices=_KV_DTYPES,
                    help="KV cache type (default: f16 on cpu, the --dtype elsewhere); q8_0: 8.5 bits per value")
+    p.add_argument("--tp", type=_positive_int, metavar="N",
+                   help="tensor parallel over N ranks, under torchrun --nproc-per-node N (N must equal the world "
+                        "size; gloo on cpu, nccl on cuda); rank 0 prints")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,13 +235,53 @@ def _load(args, max_context: Optional[int] = None):
 
     device, dtype = _device_dtype(args.device, args.dtype)  # a bad --device fails before a download
     backends.check_environment()  # a malformed HANZO_CPU_ISA, too
+    device, tp = _init_tp(args, device)
     path = _model_path(args.model, quiet=getattr(args, "quiet", False))
     t0 = time.perf_counter()
     kv = getattr(args, "kv_dtype", "auto")
     model = load(path, device=device, dtype=dtype, max_context=args.max_context or max_context,
-                 kv_dtype=None if kv == "auto" else kv)
+                 kv_dtype=None if kv == "auto" else kv, tensor_parallel=tp)
     backends.activate(device.type)  # a first build of the CPU kernels is loading time, not prefill time
     return model, path, time.perf_counter() - t0
+
+
+def _init_tp(args, device):
+    """``--tp N``: check N against torchrun's ``WORLD_SIZE``, join the process group (gloo on the
+    CPU, NCCL on CUDA/ROCm with rank i on ``cuda:LOCAL_RANK``) and quiet every rank but 0.
+    Returns ``(device, tensor_parallel)``."""
+    tp = getattr(args, "tp", None)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if tp is None or (tp == 1 and world == 1):
+        return device, False
+    if tp != world:
+        raise UsageError(f"--tp {tp} must equal the world size {world} (run it as torchrun --nproc-per-node {tp} "
+                         f"-m hanzo_torch ...)")
+    if device.type == "vulkan":
+        raise UsageError("--tp runs on cpu or cuda devices (gloo or nccl), not vulkan")
+    import atexit
+
+    import torch
+    import torch.distributed as dist
+
+    from . import distributed
+
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    distributed.init_from_env(device)
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    if dist.get_rank() != 0:
+        args.quiet = True
+        sys.stdout = open(os.devnull, "w")
+    return device, True
+
+
+def _tp_note(model) -> str:
+    tp = getattr(model, "tp", None)
+    if tp is None:
+        return ""
+    return (f", tensor parallel over {tp.world_size} ranks ({_fmt_bytes(tp.weight_bytes)} of "
+            f"{_fmt_bytes(tp.file_weight_bytes)} weights per rank)")
 
 
 def _err(msg: str) -> None:
@@ -300,7 +343,7 @@ def cmd_generate(args) -> int:
     model, path, load_s = _load(args)
     tok = model.tokenizer
     if not args.quiet:
-        _err(f"model {path.name} loaded in {load_s:.2f} s on {model.device}")
+        _err(f"model {path.name} loaded in {load_s:.2f} s on {model.device}{_tp_note(model)}")
     profiling = _vk_profile_start(model.device)
     if args.chat or args.system:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -550,8 +593,9 @@ def cmd_bench(args) -> int:
         arch = f.architecture or "?"
     dtype = str(model.dtype).removeprefix("torch.") if hasattr(model, "dtype") else "?"
     kv = f", KV cache {model.kv_dtype}" if getattr(model, "kv_dtype", None) else ""
-    _err(f"model {path.name} loaded in {load_s:.2f} s on {device}{kv}")
-    _err(f"backend: {_kernels_line(device)}")
+    if not getattr(args, "quiet", False):  # ranks > 0 of --tp
+        _err(f"model {path.name} loaded in {load_s:.2f} s on {device}{kv}{_tp_note(model)}")
+        _err(f"backend: {_kernels_line(device)}")
     cols = ["model", "size", "params", "device", "dtype", "test", "t/s (median)", "± stdev", "runs"]
     head = f"{arch} {ftype}"
     print("| " + " | ".join(cols) + " |")
@@ -628,6 +672,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .gguf_file import GGUFError
     from .hub import HubError
     from .tokenizer import TokenizerError
+    from .distributed import TensorParallelError
 
     debug = getattr(args, "debug", False)
     try:
@@ -643,8 +688,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except OSError:
             pass
         return 0
-    except (CLIError, GGUFError, HubError, TokenizerError, ValueError, TypeError, OSError, MemoryError,
-            NotImplementedError) as exc:
+    except (CLIError, GGUFError, HubError, TokenizerError, TensorParallelError, ValueError, TypeError, OSError,
+            MemoryError, NotImplementedError) as exc:
         # a bad file (GGUFError, TokenizerError), a bad argument (ValueError, TypeError) or the
         # environment: one line; --debug shows where it came from
         if debug:

@@ -351,6 +351,16 @@ def _sample_checked(model, logits: torch.Tensor, params: SamplingParams, generat
                         "at this context") from None
 
 
+def _sample(model, logits: torch.Tensor, params: SamplingParams, generator, history) -> int:
+    """:func:`sample_next`; for a tensor-parallel model (``model.tp``), on rank 0, whose token
+    is broadcast to the others, so every rank decodes the same sequence."""
+    tp = getattr(model, "tp", None)
+    if tp is None:
+        return _sample_checked(model, logits, params, generator, history)
+    token = _sample_checked(model, logits, params, generator, history) if tp.rank == 0 else None
+    return tp.broadcast_token(token, logits.device)
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     dev = getattr(model, "device", None)
     if isinstance(dev, torch.device):
@@ -648,7 +658,7 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         pos = torch.arange(len(prompt_ids), dtype=torch.long, device=device).unsqueeze(0)
         logits = model(ids, positions=pos, last_only=True)[0, -1]
-        token = _sample_checked(model, logits, params, generator, history)
+        token = _sample(model, logits, params, generator, history)
         stats.prefill_s = time.perf_counter() - t0
         if vk_profile is not None:
             stats.vulkan_profile["prefill"] = vk_profile()
@@ -684,7 +694,7 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
             step.input_ids.fill_(token)
             step.positions.fill_(len(prompt_ids) + len(out_ids) - 1)
             logits = step()[0, -1]
-            token = _sample_checked(model, logits, params, generator, history)  # waits for the device
+            token = _sample(model, logits, params, generator, history)  # waits for the device
             stats.cuda_graph = step.graphed
             stats.decode_s += time.perf_counter() - t1
             stats.decode_steps += 1

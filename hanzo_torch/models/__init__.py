@@ -21,6 +21,8 @@ def load(
     max_context: Optional[int] = None,
     kv_dtype: Union[str, torch.dtype, None] = None,
     extend_context: bool = False,
+    tensor_parallel: bool = False,
+    tp_group=None,
 ) -> Transformer:
     """Load a GGUF model as an ``nn.Module`` with its weights kept packed.
 
@@ -55,6 +57,11 @@ def load(
             cache rows to float32; scores, softmax and P*V are float32 whatever this is.
         extend_context: allow ``max_context`` above ``context_length`` (the model was not trained
             for such positions; the cache costs memory proportional to it).
+        tensor_parallel: shard the model over the ranks of the default ``torch.distributed``
+            process group (gloo on CPU, NCCL on CUDA/ROCm; every rank calls ``load`` with the
+            same arguments): each rank keeps its slices of the packed weights, and the forward
+            runs the collectives (:mod:`hanzo_torch.distributed`); ``model.tp`` holds them.
+        tp_group: shard over this process group instead (implies ``tensor_parallel``).
 
     Returns:
         :class:`~hanzo_torch.models.qwen.Transformer` in eval mode; ``model(input_ids[B, T])``
@@ -72,7 +79,8 @@ def load(
             non-finite or constant logits.
         ValueError: bad ``max_context`` (<= 0, or above ``context_length`` without
             ``extend_context``), ``dtype`` or ``kv_dtype`` (q8_0 needs a head dim that is a
-            multiple of 32), or a malformed ``HANZO_CPU_ISA``.
+            multiple of 32), or a malformed ``HANZO_CPU_ISA``; with tensor parallel, no initialized
+            process group, or heads / block sizes that cannot be split over its ranks.
         TypeError: ``max_context``/``extend_context`` of the wrong type, ``dtype`` not a torch dtype.
         OSError: the file cannot be opened.
     """
@@ -87,6 +95,11 @@ def load(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     kv_name = _kv_dtype_name(kv_dtype, device, dtype)
     check_max_context(max_context, 2**63, extend_context)  # types and sign, before any work
+    group = None
+    if tensor_parallel is not False or tp_group is not None:
+        from .. import distributed
+
+        group = distributed.resolve_group(tensor_parallel, tp_group, device)
     from .. import backends
 
     backends.check_environment()  # a malformed HANZO_CPU_ISA fails here, not as a warning at the first op
@@ -94,6 +107,8 @@ def load(
     args = ModelArgs.from_gguf(f)  # validates the whole header before anything is built
     max_context = check_max_context(max_context, args.context_length, extend_context)
     tokenizer = load_tokenizer(f, args.vocab_size)
+    if group is not None:
+        plan = distributed.plan_shards(args, f, distributed.dist.get_world_size(group), distributed.dist.get_rank(group))
 
     if kv_name == "q8_0" and args.head_dim % 32:
         raise ValueError(f"{f.path}: kv_dtype q8_0 needs a head dim that is a multiple of 32, got {args.head_dim}")
@@ -122,17 +137,20 @@ def load(
             t = t.dequantize(dtype)
             if not bool(torch.isfinite(t).all()):
                 raise GGUFError(f"{f.path}: tensor {name!r} holds NaN or inf (in {dtype})")
-        _assign(model, name, t if t.device == device else t.to(device))
+        # tensor parallel: slices are moved to the device after sharding, not the whole tensors
+        _assign(model, name, t if t.device == device or group is not None else t.to(device))
         used.add(name)
     unexpected = sorted(set(tensors) - used)
     if unexpected:
         raise GGUFError(f"{f.path}: tensors not used by the {args.arch} model: {', '.join(unexpected[:8])}")
     if args.tied_embeddings:
         model.output.weight = model.token_embd.weight
+    if group is not None:
+        distributed.shard_model(model, f, group, plan, device)
     model.gguf = f
     model._tokenizer = tokenizer
     _check_first_logits(model, f.path)
-    if device.type == "cpu":
+    if device.type == "cpu" and group is None:
         f.prefetch()  # embedding rows would otherwise be read from disk inside decode steps
     return model.eval()
 
