@@ -41,8 +41,10 @@ def _small_vocab(n: int = 8192) -> dict:
 
 
 def _spec(arch: str, **kw):
-    # dense FFNs of 4 Q6_K blocks split 2 + 2, the experts' 3 blocks 1 + 2
-    return tiny_spec(arch, qtypes=QTYPES, seed=3, **({} if arch == "qwen3moe" else {"ffn": 1024}), **kw)
+    # dense FFNs of 4 Q6_K blocks split 2 + 2, the experts' 3 blocks 1 + 2; qwen2 with a separate
+    # output matrix, the others tied to token_embd
+    extra = {"qwen3": {"ffn": 1024}, "qwen2": {"ffn": 1024, "tied": False}, "qwen3moe": {}}[arch]
+    return tiny_spec(arch, qtypes={**QTYPES, "output": "Q6_K"}, seed=3, **extra, **kw)
 
 
 def _free_port() -> int:
