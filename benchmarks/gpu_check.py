@@ -23,6 +23,9 @@ skipped):
 4. prefill GEMM at M = 512 per format: TFLOP/s and the ratio to torch's dense bf16 matmul.
 5. the conformance suite on cuda: ``pytest -m gpu tests/test_triton_gpu.py`` with what is left
    of the budget.
+6. with 2 or more GPUs, tensor parallel over NCCL on 2 of them (``benchmarks/tp_check.py`` under
+   torchrun, tiny qwen3 Q4_K/Q6_K file): decode under CUDA graphs (collectives captured) ==
+   eager, and both against one process; skipped with one GPU. ``--skip tp`` skips it.
 """
 from __future__ import annotations
 
@@ -272,12 +275,42 @@ def formats_bench(table: Table, device: str, formats, N: int, K: int, M_gemm: in
             table.add("matvec", qtype, "ERROR", f"{type(e).__name__}: {str(e)[:160]}")
 
 
+def tp_check(table: Table, timeout: float) -> None:
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        table.add("tp", "tensor parallel (NCCL)", "skipped", f"{n} GPU(s), needs 2 or more")
+        return
+    from tests.gguf_builders import tiny_spec, tokenizer_metadata, write_tiny_gguf
+
+    qtypes = {"embd": "Q8_0", "attn": "Q4_K", "ffn": "Q4_K", "ffn_down": "Q6_K"}
+    with tempfile.TemporaryDirectory() as d:
+        path = write_tiny_gguf(os.path.join(d, "tp.gguf"), tiny_spec("qwen3", ffn=1024, qtypes=qtypes),
+                               tokenizer_metadata(full=False))
+        try:
+            p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                os.path.join(ROOT, "benchmarks", "tp_check.py"), path, "--steps", "128"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            table.add("tp", "tensor parallel (NCCL)", "TIMEOUT", f"after {timeout:.0f} s")
+            return
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[tp ")]
+    for ln in lines:
+        name, _, rest = ln.split("] ", 1)[1].partition(": ")
+        verdict, _, note = rest.partition(" ")
+        table.add("tp", name, verdict, note)
+    if p.returncode != 0 and not lines:
+        print((p.stdout + p.stderr)[-4000:], flush=True)
+        table.add("tp", "tensor parallel (NCCL)", f"rc {p.returncode}", "see the output above")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, toy shapes, Triton under TRITON_INTERPRET=1")
     ap.add_argument("--budget-s", type=float, default=500.0, help="wall-clock budget (default 500 s)")
     ap.add_argument("--formats", default="all", help="comma-separated ggml names, 'all' or 'qwen'")
-    ap.add_argument("--skip", default="", help="comma-separated steps to skip: graph,decode,formats,conformance")
+    ap.add_argument("--skip", default="", help="comma-separated steps to skip: graph,decode,formats,tp,conformance")
     args = ap.parse_args()
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
@@ -324,6 +357,12 @@ def main() -> int:
         except Exception as e:
             traceback.print_exc()
             table.add("matvec", "formats", "ERROR", f"{type(e).__name__}: {str(e)[:160]}")
+    if "tp" not in skip and not args.dry_run:
+        try:
+            tp_check(table, min(120.0, max(30.0, left() - 200)))
+        except Exception as e:
+            traceback.print_exc()
+            table.add("tp", "tensor parallel (NCCL)", "ERROR", f"{type(e).__name__}: {str(e)[:160]}")
     if "conformance" not in skip and not args.dry_run:
         _pytest(table, "conformance", os.path.join(ROOT, "tests", "test_triton_gpu.py"), left() - 5, ("-x",))
     table.add("total", "wall clock", f"{time.monotonic() - t_start:.0f} s", f"budget {args.budget_s:.0f} s")

@@ -1,8 +1,8 @@
 """Tensor parallel (hanzo_torch.distributed): 2 gloo processes against the single-process model.
 
-One spawned pair of processes loads tiny qwen3, qwen2 and qwen3moe files (packed formats whose
-row-parallel splits are block-aligned; the 768-wide FFNs are 3 blocks of 256, split 1 + 2)
-with ``tensor_parallel=True``, writes its logits, greedy tokens and weight bytes to files, then
+One spawned pair of processes loads tiny qwen3, qwen2 and qwen3moe files (Q8_0/Q4_K/Q6_K
+weights whose row-parallel splits are block-aligned; the experts' 768-wide FFN is 3 blocks of
+256, split 1 + 2) with ``tensor_parallel=True``, writes its logits, greedy tokens and weight bytes to files, then
 rank 1 exits without a word and rank 0 runs another forward, which must fail with a
 TensorParallelError within the group's timeout. The test process computes the single-process
 references.
@@ -41,8 +41,10 @@ def _small_vocab(n: int = 8192) -> dict:
 
 
 def _spec(arch: str, **kw):
-    # dense FFNs of 4 Q6_K blocks split 2 + 2, the experts' 3 blocks 1 + 2
-    return tiny_spec(arch, qtypes=QTYPES, seed=3, **({} if arch == "qwen3moe" else {"ffn": 1024}), **kw)
+    # dense FFNs of 4 Q6_K blocks split 2 + 2, the experts' 3 blocks 1 + 2; qwen2 with a separate
+    # output matrix, the others tied to token_embd
+    extra = {"qwen3": {"ffn": 1024}, "qwen2": {"ffn": 1024, "tied": False}, "qwen3moe": {}}[arch]
+    return tiny_spec(arch, qtypes={**QTYPES, "output": "Q6_K"}, seed=3, **extra, **kw)
 
 
 def _free_port() -> int:
