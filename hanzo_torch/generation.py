@@ -531,7 +531,8 @@ def _model_tokenizer(model: Any, prompts: Any, needed: bool, batch: bool = False
     except (AttributeError, ValueError) as exc:
         from .gguf_file import GGUFError
 
-        if isinstance(exc, GGUFError) and (needed or any(_needs_tokenizer(p) for p in (prompts if batch else [prompts]))):
+        rows = prompts if batch else [prompts]
+        if isinstance(exc, GGUFError) and (needed or any(_needs_tokenizer(p) for p in rows)):
             raise
         return None
 
