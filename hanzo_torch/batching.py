@@ -34,6 +34,7 @@ from .generation import (
     SamplingParams,
     _generate_lock,
     _model_device,
+    _model_tokenizer,
     _prompt_ids,
     _stop_holdback,
     sample_next,
@@ -319,10 +320,7 @@ def generate_batch(model: Any, prompts: Sequence[Any], max_new_tokens: int = 256
     if any(not isinstance(s, str) or not s for s in stops):
         raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
     if tokenizer is None:
-        try:
-            tokenizer = model.tokenizer
-        except (AttributeError, ValueError):
-            tokenizer = None
+        tokenizer = _model_tokenizer(model, prompts, bool(stops or stream), batch=True)
     if (stops or stream) and tokenizer is None:
         raise ValueError("stop strings and stream=True need a tokenizer (model.tokenizer or tokenizer=)")
     n = len(prompts)

@@ -493,10 +493,7 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
         raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
 
     if tokenizer is None:
-        try:
-            tokenizer = model.tokenizer
-        except (AttributeError, ValueError):
-            tokenizer = None
+        tokenizer = _model_tokenizer(model, prompt_or_ids, bool(stops or stream))
     if stops and tokenizer is None:
         raise ValueError("stop strings need a tokenizer (model.tokenizer or tokenizer=)")
     max_context = getattr(model, "max_context", None)
@@ -530,6 +527,24 @@ def stream_generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int 
                     **kwargs: Any) -> TextStream:
     """``generate(..., stream=True)``: an iterator of text pieces with ``.stats``/``.result``."""
     return generate(model, prompt_or_ids, max_new_tokens, stream=True, **kwargs)
+
+
+def _needs_tokenizer(prompt: Any) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, Sequence) and bool(prompt) and isinstance(prompt[0], Mapping))
+
+
+def _model_tokenizer(model: Any, prompts: Any, needed: bool, batch: bool = False) -> Any:
+    """``model.tokenizer``, or None when it has none; a file whose tokenizer is broken raises its
+    GGUFError when the call needs one (text or chat prompts, stop strings, streaming)."""
+    try:
+        return model.tokenizer
+    except (AttributeError, ValueError) as exc:
+        from .gguf_file import GGUFError
+
+        rows = prompts if batch else [prompts]
+        if isinstance(exc, GGUFError) and (needed or any(_needs_tokenizer(p) for p in rows)):
+            raise
+        return None
 
 
 def _check_text_fits(text: str, tokenizer: Any, max_context: Optional[int]) -> None:

@@ -331,7 +331,8 @@ def create_app(model: Any, *, n_parallel: int = 1, max_queue: int = 64, model_na
         if worker.error is not None or not worker._thread.is_alive():
             return JSONResponse({"status": "error"}, status_code=503)
         return {"status": "ok", "slots_busy": worker.busy_slots(), "slots": worker.n_parallel,
-                "requests_waiting": worker._waiting, "requests_completed": worker.completed, "requests_cancelled": worker.cancelled}
+                "requests_waiting": worker._waiting, "requests_completed": worker.completed,
+                "requests_cancelled": worker.cancelled}
 
     @app.get("/v1/models")
     async def models():

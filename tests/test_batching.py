@@ -122,3 +122,22 @@ def test_non_finite_logits_are_gguf_errors(model):
     finally:
         handle.remove()
     assert len(model.generate("a", max_new_tokens=2, temperature=0, ignore_eos=True).token_ids) == 2
+
+
+def test_file_errors_at_generate_are_gguf_errors(tmp_path):
+    """A chat template that compiles but fails when rendered, and a file without merges: GGUFError
+    naming the file and the key, raised by generate() (as the server does per request)."""
+    spec = tiny_spec("qwen3", n_layer=1)
+    for template, what in (("{{ 1 // 0 }}", "ZeroDivisionError"), ("{{ messages[5].content }}", "chat template")):
+        path = write_tiny_gguf(tmp_path / "t.gguf", spec, toy_tokenizer_metadata(chat_template=template))
+        m = hanzo_torch.load(path, max_context=32)
+        with pytest.raises(GGUFError, match=f"{path}: tokenizer.chat_template: .*{what}"):
+            m.generate([{"role": "user", "content": "hi"}], max_new_tokens=2)
+        with pytest.raises(GGUFError, match="tokenizer.chat_template"):
+            m.generate([[{"role": "user", "content": "hi"}]] * 2, max_new_tokens=2)
+    meta = toy_tokenizer_metadata()
+    del meta["tokenizer.ggml.merges"]
+    path = write_tiny_gguf(tmp_path / "nomerges.gguf", spec, meta)
+    m = hanzo_torch.load(path, max_context=32)
+    with pytest.raises(GGUFError, match=f"{path}: tokenizer.ggml.merges is missing"):
+        m.generate("hi", max_new_tokens=2)

@@ -212,3 +212,59 @@ def test_queue_full_503_and_errors_keep_the_server_up(path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
     finally:
         srv.close()
+
+
+def test_serve_cli_checks_arguments_before_loading(capsys):
+    from hanzo_torch import cli
+
+    assert cli.main(["serve", "-m", "/nonexistent.gguf", "--port", "0"]) == 2
+    assert "--port" in capsys.readouterr().err
+    assert cli.main(["serve", "-m", "/nonexistent.gguf", "-np", "4", "-c", "2"]) == 2
+    assert "-np 4" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a fresh process imports torch and loads the model: ~20 s on 2 cores
+def test_sigterm_finishes_running_requests_then_exits(path):
+    """``hanzo-torch serve`` in its own process: SIGTERM while a request streams lets it finish."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.Popen([sys.executable, "-m", "hanzo_torch", "serve", "-m", path, "--port", str(port),
+                             "-np", "2", "-c", str(2 * CTX)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() - t0 < 120
+            time.sleep(0.1)
+        body = {"prompt": "x", "max_tokens": CTX - 4, "temperature": 0, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                if not lines:
+                    proc.send_signal(signal.SIGTERM)
+                lines.append(line)
+        assert lines[-1] == "data: [DONE]"
+        tokens = json.loads([ln for ln in lines if ln.startswith("data: {")][-1][6:])["usage"]["completion_tokens"]
+        assert tokens == CTX - 4
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once shut down
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
