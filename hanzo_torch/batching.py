@@ -159,12 +159,17 @@ class BatchEngine:
     Raises:
         TypeError: ``model`` has no ``kv_slots`` (not a hanzo-torch model).
         ValueError: ``n_slots`` < 1.
+        NotImplementedError: a tensor-parallel model (``model.tp``): its ranks would have to agree on
+            which sequence joins which slot at every step; one prompt at a time works there.
     """
 
     def __init__(self, model: Any, n_slots: int, cuda_graph: bool = True):
         if not hasattr(model, "kv_slots") or not hasattr(model, "setup_cache"):
             raise TypeError(f"batched generation needs a model with KV-cache slots (hanzo_torch.load's models), "
                             f"got {type(model).__name__}")
+        if getattr(model, "tp", None) is not None:
+            raise NotImplementedError("batched generation and the server do not run a tensor-parallel model "
+                                      "(loaded with tensor_parallel=True / tp_group=): generate one prompt at a time")
         if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
         self.model = model

@@ -647,6 +647,9 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--port must be in [1, 65535], got {args.port}")
     if args.ctx_size < args.parallel:
         raise UsageError(f"-c {args.ctx_size} leaves no context for each of -np {args.parallel} slots")
+    if args.tp not in (None, 1):
+        raise UsageError("serve does not run tensor parallel (--tp): its continuous batching would need every rank "
+                         "to agree on each step's slots; run it in one process")
     try:
         from .server import serve
         import uvicorn  # noqa: F401

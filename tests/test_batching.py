@@ -107,6 +107,12 @@ def test_bad_batches_raise(model):
         model.generate(["a", "b"], max_new_tokens=2, seed=[1])
     with pytest.raises(ValueError, match="n_parallel"):
         model.generate(["a", "b"], max_new_tokens=2, n_parallel=0)
+    model.tp = object()  # what tensor_parallel=True attaches
+    try:
+        with pytest.raises(NotImplementedError, match="tensor-parallel"):
+            BatchEngine(model, 2)
+    finally:
+        del model.tp
 
 
 def test_non_finite_logits_are_gguf_errors(model):

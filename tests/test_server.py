@@ -221,6 +221,8 @@ def test_serve_cli_checks_arguments_before_loading(capsys):
     assert "--port" in capsys.readouterr().err
     assert cli.main(["serve", "-m", "/nonexistent.gguf", "-np", "4", "-c", "2"]) == 2
     assert "-np 4" in capsys.readouterr().err
+    assert cli.main(["serve", "-m", "/nonexistent.gguf", "--tp", "2"]) == 2
+    assert "tensor parallel" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a fresh process imports torch and loads the model: ~20 s on 2 cores
