@@ -1,9 +1,10 @@
 """Requantize a GGUF file to another type: ``hanzo-torch quantize in.gguf out.gguf Q4_K_M``.
 
 The command shape and the per-tensor type choices are llama-quantize's (``llama_tensor_get_type``
-in llama.cpp's ``src/llama-quant.cpp``, without an importance matrix). Every tensor is
-dequantized to float32 from whatever format hanzo-torch reads and quantized with
-:func:`hanzo_torch.quantize` (K-quants: ggml's reference quantizers, byte-identical to ggml's).
+in llama.cpp's ``src/llama-quant.cpp``, without an importance matrix). A tensor whose
+type changes is dequantized to float32 from whatever format hanzo-torch reads and quantized with
+:func:`hanzo_torch.quantize` (K-quants: ggml's reference quantizers, byte-identical to ggml's);
+a tensor already of its chosen type is copied byte for byte, as llama-quantize does.
 """
 from __future__ import annotations
 
@@ -72,6 +73,13 @@ class _State:
     i_ffn_down: int = 0
 
 
+def _layer(name: str, counter: int) -> int:
+    """The layer of ``blk.N.*`` tensors (llama-quantize counts its attn_v / ffn_down tensors in
+    layer order, whatever their order in the file); ``counter`` for other names."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else counter
+
+
 def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _State) -> str:
     """The ggml type llama-quantize gives tensor ``name`` (torch-order ``shape``) for ``ftype``."""
     base = FTYPES[ftype][0]
@@ -89,9 +97,10 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
         elif t != "Q8_0":
             t = "Q6_K"
     elif cat in ("attn_v", "attn_qkv"):
-        if ftype in ("Q4_K_M", "Q5_K_M") and _more_bits(state.i_attn_v, state.n_attn_v):
+        i_v = _layer(name, state.i_attn_v)
+        if ftype in ("Q4_K_M", "Q5_K_M") and _more_bits(i_v, state.n_attn_v):
             t = "Q6_K"
-        elif ftype == "Q4_K_S" and state.i_attn_v < 4:
+        elif ftype == "Q4_K_S" and i_v < 4:
             t = "Q5_K"
         if state.n_expert == 8:
             t = "Q8_0"
@@ -103,8 +112,7 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
         if state.n_expert == 8 and ftype in ("Q4_K_S", "Q4_K_M"):
             t = "Q5_K"
     elif cat == "ffn_down":
-        m = re.match(r"blk\.(\d+)\.", name)
-        i_layer = int(m.group(1)) if m and state.n_expert > 1 else state.i_ffn_down
+        i_layer = _layer(name, state.i_ffn_down)
         n = state.n_layer
         if ftype in ("Q4_K_M", "Q5_K_M") and _more_bits(i_layer, n):
             t = "Q6_K"
@@ -188,8 +196,8 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
             target = plan[name]
             if bar is not None:
                 bar.set_postfix_str(f"{name} {t.qtype}->{target}")
-            if target == t.qtype and target in _DENSE:
-                out[name] = t
+            if target == t.qtype:
+                out[name] = t  # as llama-quantize: a tensor already of its type is copied, not requantized
             else:
                 dense = t.dequantize(torch.float32)
                 if target in _DENSE:
