@@ -3,7 +3,8 @@
 Slow: needs a built ggml. ``HANZO_GGML_LIB`` names libggml-base.so; the default is the
 benchmark build of llama.cpp from the llama-cpp-python 0.3.36 sdist. Both our paths are checked:
 the C kernel and the torch version (``HANZO_QUANT_NATIVE=0``). With the real model present, some
-of its tensors (dequantized from their own formats) are quantized too.
+of its tensors (dequantized from their own formats) are quantized too, and its Q4_K_M requantization
+is compared with llama-quantize's, tensor by tensor.
 """
 from __future__ import annotations
 
@@ -96,3 +97,26 @@ def test_real_weights_byte_identical(ggml):
         for name in KQ:
             bad, total = _compare(hanzo_torch.quantize(w, name), ggml(w, name), name)
             assert bad == 0, f"{tname} as {name}: {bad} of {total} blocks differ"
+
+
+def test_requantize_real_model_matches_llama_quantize(tmp_path):
+    import subprocess
+
+    from conftest import real_model_path
+
+    from hanzo_torch.requantize import requantize
+
+    lib_dir = Path(os.environ.get("HANZO_GGML_LIB", DEFAULT_LIB)).parent
+    tool = lib_dir / "llama-quantize"
+    if not tool.is_file():
+        pytest.skip(f"llama-quantize not built: {tool} is absent")
+    src = real_model_path()
+    theirs, ours = tmp_path / "llama.gguf", tmp_path / "ours.gguf"
+    subprocess.run([str(tool), "--allow-requantize", str(src), str(theirs), "Q4_K_M", "2"], check=True,
+                   capture_output=True)
+    requantize(str(src), str(ours), "Q4_K_M", progress=False)
+    a, b = hanzo_torch.GGUFFile(ours), hanzo_torch.GGUFFile(theirs)
+    assert set(a.tensor_info) == set(b.tensor_info)  # llama-quantize writes its own tensor order
+    for name in a.tensor_info:
+        assert a.tensor_info[name].qtype == b.tensor_info[name].qtype, name
+        assert torch.equal(a.packed(name).reshape(-1), b.packed(name).reshape(-1)), name
