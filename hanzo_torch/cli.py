@@ -158,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache length S of the exported functions (default 512)")
     e.add_argument("--prefill-len", type=_positive_int, default=16, metavar="T", help="tokens per prefill call (default 16)")
     e.add_argument("--vmfb", metavar="PATH", help="also compile it with IREE for llvm-cpu into this .vmfb")
+
+    q = sub.add_parser("quantize", help="requantize a GGUF file with llama-quantize's per-tensor recipe "
+                                        "(e.g. quantize in.gguf out.gguf Q4_K_M)")
+    q.add_argument("input", help="GGUF file (any format hanzo-torch reads)")
+    q.add_argument("output", help="output GGUF file (written to OUTPUT.tmp, then renamed)")
+    q.add_argument("type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16, F32")
+    q.add_argument("nthreads", nargs="?", type=_positive_int, help="CPU threads (default: torch's)")
     return parser
 
 
@@ -617,6 +624,33 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    import time
+
+    from .requantize import FTYPES, requantize
+
+    if args.type.upper() not in FTYPES:
+        raise UsageError(f"unknown type {_esc(args.type)}; one of: {', '.join(FTYPES)}")
+    src = _check_gguf_path(args.input)
+    if os.path.abspath(args.output) == os.path.abspath(src):
+        raise UsageError("the output is the input file; write to another path")
+    if args.nthreads:
+        import torch
+
+        torch.set_num_threads(args.nthreads)
+    t0 = time.perf_counter()
+    try:
+        plan = requantize(str(src), args.output, args.type)
+    except ValueError as exc:
+        _die(str(exc))
+    counts: dict = {}
+    for t in plan.values():
+        counts[t] = counts.get(t, 0) + 1
+    mix = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    print(f"wrote {_esc(args.output)}: {len(plan)} tensors ({mix}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def cmd_export(args) -> int:
     from . import export, load
 
@@ -665,7 +699,7 @@ def cmd_serve(args) -> int:
 
 
 _COMMANDS = {"generate": cmd_generate, "pull": cmd_pull, "inspect": cmd_inspect, "bench": cmd_bench,
-             "export": cmd_export, "serve": cmd_serve}
+             "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

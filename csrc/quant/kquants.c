@@ -13,7 +13,16 @@
 #define QK 256
 #define EPS 1e-15f
 
-static inline int rnd(float v) { return (int)rintf(v); } /* nearest, ties to even (ggml's nearest_int) */
+/* nearest integer, ties to even (ggml's nearest_int): adding 1.5 * 2^23 leaves the rounded
+ * integer in the low mantissa bits for |v| < 2^22; an inline add, where rintf is a libm call
+ * on baseline x86-64 */
+static inline int rnd(float v) {
+    if (!(fabsf(v) < 4194304.f)) return (int)rintf(v);
+    float t = v + 12582912.f;
+    int32_t i;
+    memcpy(&i, &t, 4);
+    return (i & 0x007fffff) - 0x00400000;
+}
 static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 
 static uint16_t to_half(float f) {

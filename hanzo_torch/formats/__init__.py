@@ -245,11 +245,13 @@ def quantize(tensor: torch.Tensor, qtype: Union[str, int, Format]) -> torch.Tens
         qtype: target format.
 
     Returns:
-        ``uint8 [..., K // block_size * type_size]`` byte-identical to ``gguf.quants.quantize``.
+        ``uint8 [..., K // block_size * type_size]`` byte-identical to ``gguf.quants.quantize``
+        (K-quants Q2_K..Q6_K, which gguf cannot quantize: to ggml's ``ggml_quantize_chunk``
+        without an importance matrix, see :mod:`hanzo_torch.formats.kquant_search`).
 
     Raises:
         NotImplementedError: the format has no quantizer in hanzo-torch.
-        ValueError: K is not a multiple of the block size.
+        ValueError: K is not a multiple of the block size; for K-quants also a non-finite value.
     """
     fmt = get_format(qtype)
     if fmt.quantize_blocks is None:

@@ -1,8 +1,9 @@
 """The C kernel of the K-quant quantizers (``csrc/quant/kquants.c``), loaded through ctypes.
 
 Compiled on first use with the system C compiler (``$CC``, default ``cc``; about a second) into
-``~/.cache/hanzo-torch/ext/quant-<hash>/`` keyed by the source's hash, with
-``-O2 -ffp-contract=off`` and OpenMP. ``HANZO_QUANT_NATIVE=0`` turns it off (the torch version
+``~/.cache/hanzo-torch/ext/quant-<hash>/`` (``HANZO_CACHE`` moves the root, as for the other
+extensions) keyed by the source's hash, with
+``-O3 -ffp-contract=off`` and OpenMP. ``HANZO_QUANT_NATIVE=0`` turns it off (the torch version
 runs instead; the two give the same bytes). Without a C compiler the torch version runs.
 """
 from __future__ import annotations
@@ -35,9 +36,9 @@ def enabled() -> bool:
 def _build() -> ctypes.CDLL:
     src = SOURCE.read_bytes()
     cc = os.environ.get("CC", "cc")
-    flags = ["-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
+    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
     key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
-    out_dir = Path(os.environ.get("HANZO_EXT_CACHE", Path.home() / ".cache" / "hanzo-torch" / "ext")) / f"quant-{key}"
+    out_dir = Path(os.environ.get("HANZO_CACHE") or Path.home() / ".cache" / "hanzo-torch") / "ext" / f"quant-{key}"
     so = out_dir / "libhzquant.so"
     if not so.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,122 @@
+"""The K-quant quantizers against ggml's own (``ggml_quantize_chunk`` in libggml-base), byte for byte.
+
+Slow: needs a built ggml. ``HANZO_GGML_LIB`` names libggml-base.so; the default is the
+benchmark build of llama.cpp from the llama-cpp-python 0.3.36 sdist. Both our paths are checked:
+the C kernel and the torch version (``HANZO_QUANT_NATIVE=0``). With the real model present, some
+of its tensors (dequantized from their own formats) are quantized too, and its Q4_K_M requantization
+is compared with llama-quantize's, tensor by tensor.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hanzo_torch
+
+KQ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+DEFAULT_LIB = "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/libggml-base.so"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ggml():
+    path = os.environ.get("HANZO_GGML_LIB", DEFAULT_LIB)
+    if not Path(path).is_file():
+        pytest.skip(f"ggml not built: {path} is absent (set HANZO_GGML_LIB to a libggml-base.so)")
+    lib = ctypes.CDLL(path)
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+
+    def quantize(x: torch.Tensor, name: str) -> torch.Tensor:
+        fmt = hanzo_torch.get_format(name)
+        a = np.ascontiguousarray(x.numpy(), dtype=np.float32)
+        out = np.zeros((a.shape[0], fmt.row_bytes(a.shape[1])), np.uint8)
+        n = lib.ggml_quantize_chunk(fmt.type_id, a.ctypes.data, out.ctypes.data, 0, a.shape[0], a.shape[1], None)
+        assert n == out.nbytes
+        return torch.from_numpy(out)
+
+    return quantize
+
+
+def _cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(25)
+    x = torch.randn(256, 1024, generator=g) * 0.02
+    x[3] = 0
+    x[5, :300] = 0
+    x[7, 10] = 5.0
+    x[9] = x[9].abs()
+    x[11] = -x[11].abs()
+    x[13, :64] = 0.5
+    heavy = torch.distributions.StudentT(2.0).sample((128, 512)) * 0.01
+    return {
+        "gauss": x,
+        "student-t": heavy,
+        "large": torch.randn(32, 2048, generator=g) * 300.0,
+        "small": torch.randn(32, 256, generator=g) * 1e-4,
+        "uniform": torch.rand(64, 768, generator=g) - 0.3,
+        "sparse": torch.randn(64, 512, generator=g) * (torch.rand(64, 512, generator=g) < 0.05),
+    }
+
+
+def _compare(ours: torch.Tensor, ref: torch.Tensor, name: str) -> tuple[int, int]:
+    ts = hanzo_torch.get_format(name).type_size
+    a, b = ours.reshape(-1, ts), ref.reshape(-1, ts)
+    return int((a != b).any(1).sum()), a.shape[0]
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("name", KQ)
+def test_random_weights_byte_identical(ggml, name, path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setenv("HANZO_QUANT_NATIVE", "0")
+    for case, x in _cases().items():
+        if path == "torch":
+            x = x[:32]
+        bad, total = _compare(hanzo_torch.quantize(x, name), ggml(x, name), name)
+        assert bad == 0, f"{name} {case}: {bad} of {total} blocks differ"
+
+
+def test_real_weights_byte_identical(ggml):
+    from conftest import real_model_path
+
+    f = hanzo_torch.GGUFFile(real_model_path())
+    names = ["blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.27.ffn_gate.weight", "output_norm.weight"]
+    names = [n for n in names if n in f.tensors][:3]
+    assert names
+    for tname in names:
+        w = f.tensors[tname].dequantize().reshape(-1, f.tensors[tname].shape[-1])[:512].contiguous()
+        if w.shape[-1] % 256:
+            continue
+        for name in KQ:
+            bad, total = _compare(hanzo_torch.quantize(w, name), ggml(w, name), name)
+            assert bad == 0, f"{tname} as {name}: {bad} of {total} blocks differ"
+
+
+def test_requantize_real_model_matches_llama_quantize(tmp_path):
+    import subprocess
+
+    from conftest import real_model_path
+
+    from hanzo_torch.requantize import requantize
+
+    lib_dir = Path(os.environ.get("HANZO_GGML_LIB", DEFAULT_LIB)).parent
+    tool = lib_dir / "llama-quantize"
+    if not tool.is_file():
+        pytest.skip(f"llama-quantize not built: {tool} is absent")
+    src = real_model_path()
+    theirs, ours = tmp_path / "llama.gguf", tmp_path / "ours.gguf"
+    subprocess.run([str(tool), "--allow-requantize", str(src), str(theirs), "Q4_K_M", "2"], check=True,
+                   capture_output=True)
+    requantize(str(src), str(ours), "Q4_K_M", progress=False)
+    a, b = hanzo_torch.GGUFFile(ours), hanzo_torch.GGUFFile(theirs)
+    assert set(a.tensor_info) == set(b.tensor_info)  # llama-quantize writes its own tensor order
+    for name in a.tensor_info:
+        assert a.tensor_info[name].qtype == b.tensor_info[name].qtype, name
+        assert torch.equal(a.packed(name).reshape(-1), b.packed(name).reshape(-1)), name
