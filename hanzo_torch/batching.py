@@ -34,8 +34,8 @@ from .generation import (
     SamplingParams,
     _generate_lock,
     _model_device,
+    _checked_prompt_ids,
     _model_tokenizer,
-    _prompt_ids,
     _stop_holdback,
     sample_next,
 )
@@ -344,15 +344,7 @@ def generate_batch(model: Any, prompts: Sequence[Any], max_new_tokens: int = 256
     seqs = []
     for row, prompt in enumerate(prompts):
         try:
-            ids = _prompt_ids(prompt, tokenizer, add_generation_prompt, template_kwargs, max_context)
-            if not ids:
-                raise ValueError("empty prompt: give at least one token")
-            if tokenizer is not None:
-                bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
-                if bad:
-                    raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})")
-            if max_context is not None and len(ids) > max_context:
-                raise ValueError(f"the prompt has {len(ids)} tokens but the model's max_context is {max_context}")
+            ids = _checked_prompt_ids(prompt, tokenizer, add_generation_prompt, template_kwargs, max_context)
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"prompt {row}: {exc}") from None
         seqs.append(BatchSequence(ids, int(max_new_tokens), params, seeds[row], stops, tokenizer, ignore_eos,

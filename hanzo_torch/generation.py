@@ -497,16 +497,7 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
     if stops and tokenizer is None:
         raise ValueError("stop strings need a tokenizer (model.tokenizer or tokenizer=)")
     max_context = getattr(model, "max_context", None)
-    prompt_ids = _prompt_ids(prompt_or_ids, tokenizer, add_generation_prompt, template_kwargs, max_context)
-    if not prompt_ids:
-        raise ValueError("empty prompt: give at least one token")
-    if tokenizer is not None:
-        bad = [i for i in prompt_ids if not 0 <= i < tokenizer.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})")
-    if max_context is not None and len(prompt_ids) > max_context:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's max_context is {max_context}; "
-                         "shorten it or load the model with a larger max_context")
+    prompt_ids = _checked_prompt_ids(prompt_or_ids, tokenizer, add_generation_prompt, template_kwargs, max_context)
 
     if seed is None:
         seed = int.from_bytes(os.urandom(8), "little") & (2**63 - 1)
@@ -556,6 +547,22 @@ def _check_text_fits(text: str, tokenizer: Any, max_context: Optional[int]) -> N
         raise ValueError(f"the prompt has {len(text)} characters, more than max_context={max_context} tokens "
                          f"of this vocabulary can hold (at most {per} bytes each); shorten it")
 
+
+
+def _checked_prompt_ids(prompt, tokenizer, add_generation_prompt, template_kwargs, max_context) -> list:
+    """:func:`_prompt_ids`, then checked: not empty, every id in the vocabulary, no longer than
+    ``max_context``; ValueError naming the problem otherwise."""
+    ids = _prompt_ids(prompt, tokenizer, add_generation_prompt, template_kwargs, max_context)
+    if not ids:
+        raise ValueError("empty prompt: give at least one token")
+    if tokenizer is not None:
+        bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})")
+    if max_context is not None and len(ids) > max_context:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the model's max_context is {max_context}; "
+                         "shorten it or load the model with a larger max_context")
+    return ids
 
 def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, template_kwargs: dict,
                 max_context: Optional[int] = None) -> list[int]:
