@@ -1,7 +1,8 @@
 """The K-quant quantizers against ggml's own (``ggml_quantize_chunk`` in libggml-base), byte for byte.
 
-Slow: needs a built ggml. ``HANZO_GGML_LIB`` names libggml-base.so; the default is the
-benchmark build of llama.cpp from the llama-cpp-python 0.3.36 sdist. Both our paths are checked:
+Slow: needs a built ggml. ``HANZO_GGML_LIB`` names libggml-base.so (``build/bin/`` of llama.cpp
+built with CMake and ``-DBUILD_SHARED_LIBS=ON`` from the llama-cpp-python 0.3.36 sdist, as the
+benchmarks build it; ``llama-quantize`` is looked up beside it); without it the tests skip. Both our paths are checked:
 the C kernel and the torch version (``HANZO_QUANT_NATIVE=0``). With the real model present, some
 of its tensors (dequantized from their own formats) are quantized too, and its Q4_K_M requantization
 is compared with llama-quantize's, tensor by tensor.
@@ -19,16 +20,15 @@ import torch
 import hanzo_torch
 
 KQ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-DEFAULT_LIB = "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/libggml-base.so"
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def ggml():
-    path = os.environ.get("HANZO_GGML_LIB", DEFAULT_LIB)
-    if not Path(path).is_file():
-        pytest.skip(f"ggml not built: {path} is absent (set HANZO_GGML_LIB to a libggml-base.so)")
+    path = os.environ.get("HANZO_GGML_LIB", "")
+    if not path or not Path(path).is_file():
+        pytest.skip(f"ggml not built: HANZO_GGML_LIB={path!r} is not a file (set it to a libggml-base.so)")
     lib = ctypes.CDLL(path)
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -106,7 +106,7 @@ def test_requantize_real_model_matches_llama_quantize(tmp_path):
 
     from hanzo_torch.requantize import requantize
 
-    lib_dir = Path(os.environ.get("HANZO_GGML_LIB", DEFAULT_LIB)).parent
+    lib_dir = Path(os.environ.get("HANZO_GGML_LIB") or ".").parent
     tool = lib_dir / "llama-quantize"
     if not tool.is_file():
         pytest.skip(f"llama-quantize not built: {tool} is absent")
