@@ -4,7 +4,7 @@ Importing this package is cheap. :func:`register` (called by :func:`hanzo_torch.
 on the first ``hanzo`` op call on a CPU tensor) loads the extension, whose kernels register
 themselves on torch's CPU dispatch key (``TORCH_LIBRARY_IMPL`` in csrc/cpu/ops.cpp). The
 extension is compiled on first use with ``torch.utils.cpp_extension.load``
-(ninja, about 3-4 minutes on 2 cores) and cached in ``~/.cache/hanzo-torch/ext/<hash>`` keyed by
+(ninja, about 1.5-4 minutes on 2 cores) and cached in ``~/.cache/hanzo-torch/ext/<hash>`` keyed by
 a hash of the sources, their folder, the torch version and install folder, and the compiler, so
 later processes load it in well under a second. ``python -m hanzo_torch.backends.cpu`` builds it ahead of time.
 
@@ -186,7 +186,7 @@ def build(verbose: bool = False):
         build_dir = _cache_root() / key
         build_dir.mkdir(parents=True, exist_ok=True)
         if not verbose and not any(build_dir.glob("*.so")):
-            print(f"hanzo-torch: compiling the C++ CPU kernels (once, about 3-4 minutes on 2 cores; cached in {build_dir})",
+            print(f"hanzo-torch: compiling the C++ CPU kernels (once, about 1.5-4 minutes on 2 cores; cached in {build_dir})",
                   file=sys.stderr, flush=True)
         with warnings.catch_warnings():
             # the extension replaces kv_cache_write's Python ADInplaceOrView kernel on purpose
