@@ -194,8 +194,9 @@ def test_queue_full_503_and_errors_keep_the_server_up(path):
             while srv.health()["requests_waiting"] == 0:  # the second waits in the queue
                 assert time.time() - t0 < 20
                 time.sleep(0.02)
-            r = httpx.post(srv.url + "/v1/completions", json=body)  # the third is refused
-            assert r.status_code == 503, r.text
+            t0 = time.time()
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)  # the third is refused
+            assert r.status_code == 503, f"{r.status_code} after {time.time() - t0:.1f} s: {r.text}"
             assert r.headers["Retry-After"] and r.json()["error"]["message"]
             assert [f.result().status_code for f in busy] == [200, 200]
         slow.remove()
