@@ -34,6 +34,7 @@ from .generation import (
     SamplingParams,
     _generate_lock,
     _model_device,
+    _checked_budget_and_stops,
     _checked_prompt_ids,
     _model_tokenizer,
     _stop_holdback,
@@ -319,11 +320,7 @@ def generate_batch(model: Any, prompts: Sequence[Any], max_new_tokens: int = 256
         GGUFError: a row's logits turned non-finite (naming the model's file).
     """
     params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n)
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
+    stops = _checked_budget_and_stops(max_new_tokens, stop)
     if tokenizer is None:
         tokenizer = _model_tokenizer(model, prompts, bool(stops or stream), batch=True)
     if (stops or stream) and tokenizer is None:

@@ -486,11 +486,7 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
                               add_generation_prompt=add_generation_prompt, cuda_graph=cuda_graph,
                               n_parallel=n_parallel, **template_kwargs)
     params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n)
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
+    stops = _checked_budget_and_stops(max_new_tokens, stop)
 
     if tokenizer is None:
         tokenizer = _model_tokenizer(model, prompt_or_ids, bool(stops or stream))
@@ -547,6 +543,17 @@ def _check_text_fits(text: str, tokenizer: Any, max_context: Optional[int]) -> N
         raise ValueError(f"the prompt has {len(text)} characters, more than max_context={max_context} tokens "
                          f"of this vocabulary can hold (at most {per} bytes each); shorten it")
 
+
+
+def _checked_budget_and_stops(max_new_tokens, stop) -> list:
+    """Check ``max_new_tokens`` (an integer >= 0) and ``stop`` (a str or strs, none empty);
+    returns the stop strings as a list. ValueError naming the argument otherwise."""
+    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
+    return stops
 
 
 def _checked_prompt_ids(prompt, tokenizer, add_generation_prompt, template_kwargs, max_context) -> list:
