@@ -96,7 +96,7 @@ class ModelWorker:
         self.max_queue = max_queue
         self.cuda_graph = cuda_graph
         self._inbox: "queue.Queue[tuple[str, _Job]]" = queue.Queue()
-        self._waiting = 0  # jobs submitted and not yet in a slot
+        self._pending = 0  # jobs submitted and not yet handed to the engine
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -118,9 +118,10 @@ class ModelWorker:
         if self._stop.is_set() or not self._thread.is_alive():
             raise RuntimeError("the model worker is not running")
         with self._count_lock:
-            if self._waiting >= self.max_queue:
-                raise QueueFull(f"{self._waiting} requests are waiting for one of {self.n_parallel} slots")
-            self._waiting += 1
+            waiting = self.waiting()
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are waiting for one of {self.n_parallel} slots")
+            self._pending += 1
         self._inbox.put(("add", job))
 
     def cancel(self, job: _Job) -> None:
@@ -132,6 +133,11 @@ class ModelWorker:
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout)
+
+    def waiting(self) -> int:
+        """Requests submitted and not yet in a slot (a request leaves the count when its prefill starts)."""
+        engine = self.engine
+        return self._pending + (len(engine.waiting) if engine is not None else 0)
 
     def busy_slots(self) -> int:
         return self.engine.busy if self.engine is not None else 0
@@ -154,18 +160,13 @@ class ModelWorker:
                 self._drain(engine, jobs, block=engine.idle())
                 if engine.idle():
                     continue
-                admitted_before = len(engine.waiting)
                 try:
                     events = engine.step()
                 except Exception as exc:  # noqa: BLE001 - a failing step ends its sequences, not the server
                     for seq in [s for s in engine.slots if s is not None] + list(engine.waiting):
                         engine.cancel(seq)
                         self._end(jobs.pop(id(seq), None), error=exc)
-                    with self._count_lock:
-                        self._waiting -= admitted_before
                     continue
-                with self._count_lock:
-                    self._waiting -= admitted_before - len(engine.waiting)
                 for seq, piece in events:
                     job = jobs.get(id(seq))
                     if job is None:
@@ -191,20 +192,16 @@ class ModelWorker:
                 return
             block = False
             if kind == "add":
-                if job.done:  # cancelled before it was admitted
-                    with self._count_lock:
-                        self._waiting -= 1
-                    continue
-                jobs[id(job.seq)] = job
-                engine.add(job.seq)
+                with self._count_lock:  # one step, so waiting() never counts a job twice or not at all
+                    self._pending -= 1
+                    if job.done:  # cancelled before it was admitted
+                        continue
+                    jobs[id(job.seq)] = job
+                    engine.add(job.seq)
             elif kind == "cancel" and id(job.seq) in jobs:
-                was_waiting = job.seq.slot is None and job.seq in engine.waiting
                 engine.cancel(job.seq)
                 jobs.pop(id(job.seq), None)
                 self.cancelled += 1
-                if was_waiting:
-                    with self._count_lock:
-                        self._waiting -= 1
                 self._end(job)
 
     @staticmethod
@@ -331,7 +328,7 @@ def create_app(model: Any, *, n_parallel: int = 1, max_queue: int = 64, model_na
         if worker.error is not None or not worker._thread.is_alive():
             return JSONResponse({"status": "error"}, status_code=503)
         return {"status": "ok", "slots_busy": worker.busy_slots(), "slots": worker.n_parallel,
-                "requests_waiting": worker._waiting, "requests_completed": worker.completed,
+                "requests_waiting": worker.waiting(), "requests_completed": worker.completed,
                 "requests_cancelled": worker.cancelled}
 
     @app.get("/v1/models")

@@ -181,25 +181,31 @@ def test_queue_full_503_and_errors_keep_the_server_up(path):
     model = hanzo_torch.load(path, max_context=CTX)
     srv = Server(model, n_parallel=1, max_queue=1)
     try:
-        body = {"prompt": "x", "max_tokens": CTX - 4, "temperature": 0, "ignore_eos": True}
-        slow = model.output_norm.register_forward_pre_hook(lambda m, a: time.sleep(0.03))  # ~3 s a request
-        with ThreadPoolExecutor(2) as pool:
-            busy = [pool.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60)]
-            t0 = time.time()
-            while srv.health()["slots_busy"] == 0:
-                assert time.time() - t0 < 20
-                time.sleep(0.02)
-            busy.append(pool.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60))
-            t0 = time.time()
-            while srv.health()["requests_waiting"] == 0:  # the second waits in the queue
-                assert time.time() - t0 < 20
-                time.sleep(0.02)
-            t0 = time.time()
-            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)  # the third is refused
-            assert r.status_code == 503, f"{r.status_code} after {time.time() - t0:.1f} s: {r.text}"
-            assert r.headers["Retry-After"] and r.json()["error"]["message"]
-            assert [f.result().status_code for f in busy] == [200, 200]
-        slow.remove()
+        body = {"prompt": "x", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        # the model worker blocks inside the first request's forward until the gate opens, so the
+        # slot stays busy and the second request stays queued however slow the machine is
+        gate = threading.Event()
+        hold = model.output_norm.register_forward_pre_hook(lambda m, a: gate.wait(60) and None)
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                busy = [pool.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60)]
+                t0 = time.time()
+                while srv.health()["slots_busy"] == 0:
+                    assert time.time() - t0 < 20
+                    time.sleep(0.02)
+                busy.append(pool.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60))
+                t0 = time.time()
+                while srv.health()["requests_waiting"] == 0:  # the second waits in the queue
+                    assert time.time() - t0 < 20
+                    time.sleep(0.02)
+                r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)  # the third is refused
+                assert r.status_code == 503, r.text
+                assert r.headers["Retry-After"] and r.json()["error"]["message"]
+                gate.set()
+                assert [f.result().status_code for f in busy] == [200, 200]
+        finally:
+            gate.set()
+            hold.remove()
         # logits turning NaN during a request: HTTP 500 naming the file; the next request works
         handle = model.output_norm.register_forward_hook(
             lambda m, a, o: (o[0] if a[0].shape[1] > 1 else torch.full_like(o[0], float("nan")), o[1]))
