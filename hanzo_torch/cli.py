@@ -165,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("output", help="output GGUF file (written to OUTPUT.tmp, then renamed)")
     q.add_argument("type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16, F32")
     q.add_argument("nthreads", nargs="?", type=_positive_int, help="CPU threads (default: torch's)")
+
+    c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3/Qwen3-MoE checkpoint (safetensors) to GGUF")
+    c.add_argument("input", help="checkpoint folder (config.json, tokenizer.json, tokenizer_config.json, "
+                                 "*.safetensors) or one .safetensors file in such a folder")
+    c.add_argument("-o", "--output", required=True, metavar="PATH", help="GGUF file (written atomically)")
+    c.add_argument("--type", default="F16", help="F32, F16 (default), BF16, Q8_0, Q4_K_M, Q5_K_M, Q6_K, "
+                                                 "or another llama-quantize type of `quantize`")
     return parser
 
 
@@ -651,6 +658,24 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    import time
+
+    from .convert import convert
+    from .requantize import FTYPES
+
+    if args.type.upper() not in FTYPES:
+        raise UsageError(f"unknown type {_esc(args.type)}; one of: {', '.join(FTYPES)}")
+    t0 = time.perf_counter()
+    plan = convert(args.input, args.output, args.type, log=lambda line: _err(f"note: {_esc(line)}"))
+    counts: dict = {}
+    for t in plan.values():
+        counts[t] = counts.get(t, 0) + 1
+    mix = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    print(f"wrote {_esc(args.output)}: {len(plan)} tensors ({mix}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def cmd_export(args) -> int:
     from . import export, load
 
@@ -699,7 +724,7 @@ def cmd_serve(args) -> int:
 
 
 _COMMANDS = {"generate": cmd_generate, "pull": cmd_pull, "inspect": cmd_inspect, "bench": cmd_bench,
-             "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize}
+             "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize, "convert": cmd_convert}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
