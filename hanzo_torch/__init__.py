@@ -8,6 +8,7 @@ Public API:
     ops:       ``torch.ops.hanzo.*`` (registered on import of :mod:`hanzo_torch.ops`),
                ``torch.ops.hanzo_ref.*`` (the references), :func:`hanzo_torch.ops.use_reference`
     backends:  :func:`hanzo_torch.backends.status`, :func:`hanzo_torch.backends.cpu.use_isa`
+    convert:   :func:`convert` (Hugging Face safetensors checkpoint -> GGUF)
     models:    :func:`load`, :func:`generate`, :func:`stream_generate`, :class:`Tokenizer`, :func:`pull`,
                :class:`hanzo_torch.cuda_graphs.DecodeStep`
 """
@@ -34,6 +35,7 @@ from .models import load  # noqa: F401
 from .tokenizer import Tokenizer  # noqa: F401
 from .generation import generate, stream_generate  # noqa: F401
 from .hub import pull  # noqa: F401
+from .convert_hf import convert  # noqa: F401,E402
 from . import cuda_graphs  # noqa: F401  (DecodeStep)
 
 __version__ = "0.1.0"

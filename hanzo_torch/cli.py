@@ -661,7 +661,7 @@ def cmd_quantize(args) -> int:
 def cmd_convert(args) -> int:
     import time
 
-    from .convert import convert
+    from .convert_hf import convert
     from .requantize import FTYPES
 
     if args.type.upper() not in FTYPES:

@@ -29,7 +29,7 @@ import torch
 
 import hanzo_torch
 from hanzo_torch import cli
-from hanzo_torch.convert import QWEN2_PRE_REGEX, ConvertError, convert
+from hanzo_torch.convert_hf import QWEN2_PRE_REGEX, ConvertError, convert
 from hanzo_torch.requantize import requantize
 
 transformers = pytest.importorskip("transformers")
@@ -342,6 +342,40 @@ def test_moe_missing_expert_and_router_normalization(zoo, tmp_path):
     with pytest.raises(ConvertError, match=r"missing tensor 'model.layers.1.mlp.experts.3.down_proj.weight'"):
         convert(d, out, progress=False)
     assert not out.exists()
+
+
+def test_sharded_checkpoint_and_atomic_output(zoo, tmp_path, monkeypatch):
+    """Shards listed in model.safetensors.index.json convert to the same file; a failure while
+    writing leaves neither the output nor a temporary file."""
+    folder, model, _ = zoo.get("qwen3moe")
+    d = tmp_path / "sharded"
+    model.save_pretrained(d, max_shard_size="300KB")
+    assert (d / "model.safetensors.index.json").is_file() and len(list(d.glob("*.safetensors"))) > 2
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, d / name)
+    out = tmp_path / "sharded.gguf"
+    convert(d, out, "F32", progress=False)
+    a, b = hanzo_torch.GGUFFile(str(out)), hanzo_torch.GGUFFile(str(zoo.f32("qwen3moe")))
+    assert list(a.tensor_info) == list(b.tensor_info)
+    for name in a.tensor_info:
+        assert torch.equal(a.packed(name), b.packed(name)), name
+
+    import hanzo_torch.convert_hf as conv
+
+    calls = []
+
+    def failing(ckpt, src):
+        calls.append(src.name)
+        if len(calls) == 5:
+            raise RuntimeError("read error")
+        return real(ckpt, src)
+
+    real = conv._load_tensor
+    monkeypatch.setattr(conv, "_load_tensor", failing)
+    bad = tmp_path / "partial.gguf"
+    with pytest.raises(RuntimeError, match="read error"):
+        convert(folder, bad, "Q8_0", progress=False)
+    assert len(calls) == 5 and list(tmp_path.glob("partial.gguf*")) == []
 
 
 def test_cli_convert(zoo, tmp_path, capsys):
