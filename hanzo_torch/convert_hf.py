@@ -469,6 +469,8 @@ def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: st
         raise ConvertError(f"output {out} is an input file; write to another path")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out.parent}: no such folder for the output")
+    if out.is_dir():
+        raise ConvertError(f"output {out} is a folder; give a file path")
     hp = _read_config(folder)
     tokens, token_types, special = _tokenizer(folder, hp.vocab_size)
     ckpt = _Checkpoint(files)

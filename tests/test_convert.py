@@ -221,6 +221,23 @@ def test_quantized_conversion(zoo, arch, ftype, tol, tmp_path):
     assert notes == []
 
 
+@pytest.mark.parametrize("ftype,tol", [("F16", 1e-3), ("BF16", 1e-2)])
+def test_half_precision_conversion(zoo, ftype, tol, tmp_path):
+    """Matrices in F16 / BF16 (the checkpoint's values rounded to nearest), norms and the router F32."""
+    folder, model, want = zoo.get("qwen3moe")
+    out = tmp_path / "h.gguf"
+    plan = convert(folder, out, ftype, progress=False)
+    assert plan["blk.0.ffn_up_exps.weight"] == plan["token_embd.weight"] == ftype
+    assert plan["blk.0.ffn_gate_inp.weight"] == plan["blk.0.attn_q_norm.weight"] == "F32"
+    f = hanzo_torch.GGUFFile(str(out))
+    w = model.model.layers[1].self_attn.o_proj.weight.detach()
+    dtype = torch.float16 if ftype == "F16" else torch.bfloat16
+    assert torch.equal(f.tensors["blk.1.attn_output.weight"].dequantize(), w.to(dtype).float())
+    assert f.metadata["general.file_type"] == (1 if ftype == "F16" else 32)
+    got, _ = _logits(out, zoo.ids)
+    assert _norm_rel(got, want) < tol
+
+
 def test_fallback_when_rows_are_not_block_multiples(tmp_path):
     """hidden 64: no K-quant block fits; llama-quantize's fallbacks (Q4_K -> Q5_0, Q6_K -> Q8_0)."""
     folder = tmp_path / "small"
