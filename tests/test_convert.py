@@ -450,3 +450,25 @@ def test_llama_cpp_greedy_tokens(arch, ftype, agree, tmp_path):
     else:
         prefix = model.tokenizer.decode(ours.token_ids[:agree])
         assert theirs.startswith(prefix.strip()), (theirs, ours.text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe", "qwen2"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
+def test_llama_quantize_of_f32_conversion_is_byte_identical(zoo, arch, ftype, tmp_path):
+    """``llama-quantize`` of the F32 conversion equals the direct conversion: types and bytes of
+    every tensor (HANZO_LLAMA_BIN: the folder holding llama-quantize)."""
+    bin_dir = _llama_bin()
+    if bin_dir is None or not (bin_dir / "llama-quantize").is_file():
+        pytest.skip("set HANZO_LLAMA_BIN to a llama.cpp build's bin folder holding llama-quantize")
+    folder, _, _ = zoo.get(arch)
+    ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    convert(folder, ours, ftype, progress=False)
+    proc = subprocess.run([str(bin_dir / "llama-quantize"), str(zoo.f32(arch)), str(theirs), ftype, "2"],
+                          capture_output=True, text=True, env=dict(os.environ, LD_LIBRARY_PATH=str(bin_dir)),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = hanzo_torch.GGUFFile(str(ours)), hanzo_torch.GGUFFile(str(theirs))
+    assert {n: i.qtype for n, i in a.tensor_info.items()} == {n: i.qtype for n, i in b.tensor_info.items()}
+    for name in a.tensor_info:
+        assert torch.equal(a.packed(name), b.packed(name)), name
