@@ -184,6 +184,8 @@ def _read_config(folder: Path) -> _Hparams:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
         raise ConvertError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ConvertError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     archs = cfg.get("architectures")
     if not isinstance(archs, list) or not archs:
         raise ConvertError(f"{path}: no 'architectures' list; cannot tell which model this is")
@@ -201,13 +203,16 @@ def _read_config(folder: Path) -> _Hparams:
                     isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else
                     isinstance(v, int) and not isinstance(v, bool) and v > 0)
                 if not ok:
-                    raise ConvertError(f"{path}: {k!r} = {v!r} is not a {'positive int' if kind is int else kind.__name__}")
+                    what = "positive int" if kind is int else kind.__name__
+                    raise ConvertError(f"{path}: {k!r} = {v!r} is not a {what}")
                 return v
         if default is None:
             raise ConvertError(f"{path}: missing key {keys[0]!r}")
         return default
 
     rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or not isinstance(cfg.get("rope_scaling") or {}, dict):
+        raise ConvertError(f"{path}: rope_parameters / rope_scaling is not a JSON object")
     scaling = cfg.get("rope_scaling") or rope
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
     if rope_type not in ("default", None):
@@ -225,7 +230,8 @@ def _read_config(folder: Path) -> _Hparams:
         n_head_kv=get("num_key_value_heads", default=n_head), head_dim=get("head_dim", default=dim // n_head),
         ffn_dim=get("intermediate_size"), vocab_size=get("vocab_size"),
         context_length=get("max_position_embeddings"), rope_theta=float(theta),
-        norm_eps=float(get("rms_norm_eps", kind=float)), tied=bool(get("tie_word_embeddings", default=False, kind=bool)),
+        norm_eps=float(get("rms_norm_eps", kind=float)),
+        tied=bool(get("tie_word_embeddings", default=False, kind=bool)),
         head_dim_key=cfg.get("head_dim") is not None, name=str(cfg.get("_name_or_path") or folder.name),
     )
     if arch == "qwen2" and hp.head_dim * n_head != dim and cfg.get("head_dim") is None:

@@ -77,8 +77,9 @@ def _config(arch: str, vocab: int, **kw):
     if arch == "qwen3moe":
         common.update(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
     common = {**common, "intermediate_size": 512, **kw}
-    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config, "qwen3moe": transformers.Qwen3MoeConfig}
-    return cls[arch](**common)
+    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "qwen3moe": transformers.Qwen3MoeConfig}[arch]
+    return cls(**common)
 
 
 def _checkpoint(folder: Path, arch: str, real_vocab: bool = False, seed: int = 0, **kw):
