@@ -3,13 +3,14 @@
 
 Tolerances, on the logits of a 12-token prompt (relative: max |ours - transformers| / max |transformers|):
 
-* F32: ``F32_RTOL = 1e-5`` (both sides float32 with the same weights; measured 3e-7 to 7e-7).
+* F32: ``F32_RTOL = 1e-5`` (both sides float32 with the same weights; measured 3e-7 to 5e-7).
   A wrong name, layout, bias, norm, head split or expert stacking is O(1).
 * Q8_0 and Q4_K_M: the packed tensors are checked byte for byte against ``hanzo_torch.quantize``
   of the checkpoint's tensors and against ``hanzo-torch quantize`` of the F32 conversion (the
   shared llama-quantize recipe), and the logits with ``||ours - theirs|| / ||theirs||`` below
-  ``Q8_0_RTOL = 0.05`` (measured 0.01-0.02) and ``Q4_K_M_RTOL = 0.3`` (measured 0.07-0.15;
-  random weights have no structure for a 4-bit code to keep).
+  ``Q8_0_RTOL = 0.05`` (measured 0.014-0.021) and ``Q4_K_M_RTOL = 0.3`` (measured 0.11-0.17;
+  random weights have no structure for a 4-bit code to keep). F16 / BF16 matrices: 2e-3 / 2e-2
+  (measured 4e-4-6e-4 / 3e-3-4e-3 on the MoE model).
 
 The checkpoints use a small byte-level BPE trained here with Qwen2's pre-tokenizer (the
 conversion of the 152k-token Qwen vocabulary takes seconds in the gguf writer); one Qwen3
@@ -222,7 +223,7 @@ def test_quantized_conversion(zoo, arch, ftype, tol, tmp_path):
     assert notes == []
 
 
-@pytest.mark.parametrize("ftype,tol", [("F16", 1e-3), ("BF16", 1e-2)])
+@pytest.mark.parametrize("ftype,tol", [("F16", 2e-3), ("BF16", 2e-2)])
 def test_half_precision_conversion(zoo, ftype, tol, tmp_path):
     """Matrices in F16 / BF16 (the checkpoint's values rounded to nearest), norms and the router F32."""
     folder, model, want = zoo.get("qwen3moe")
