@@ -169,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3/Qwen3-MoE checkpoint (safetensors) to GGUF")
     c.add_argument("input", help="checkpoint folder (config.json, tokenizer.json, tokenizer_config.json, "
                                  "*.safetensors) or one .safetensors file in such a folder")
-    c.add_argument("-o", "--output", required=True, metavar="PATH", help="GGUF file (written atomically)")
-    c.add_argument("--type", default="F16", help="F32, F16 (default), BF16, Q8_0, Q4_K_M, Q5_K_M, Q6_K, "
-                                                 "or another llama-quantize type of `quantize`")
+    c.add_argument("-o", "--output", "--outfile", required=True, metavar="PATH", help="GGUF file (written atomically)")
+    c.add_argument("--type", "--outtype", default="F16", help="F32, F16 (default), BF16, Q8_0, Q4_K_M, Q5_K_M, "
+                                                              "Q6_K, or another llama-quantize type of `quantize`")
     return parser
 
 

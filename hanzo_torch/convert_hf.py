@@ -511,6 +511,9 @@ def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: st
 
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would otherwise stay on the renamed file
     bar = None
     try:
         w.write_header_to_file(Path(tmp))

@@ -404,6 +404,13 @@ def test_cli_convert(zoo, tmp_path, capsys):
     line = capsys.readouterr().out
     assert "wrote" in line and "Q8_0" in line
     assert hanzo_torch.GGUFFile(str(out)).tensor_info["blk.0.attn_q.weight"].qtype == "Q8_0"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    # convert_hf_to_gguf.py's flag names; the default type is F16 as there
+    assert cli.main(["convert", str(folder), "--outfile", str(tmp_path / "f16.gguf")]) == 0
+    assert hanzo_torch.GGUFFile(str(tmp_path / "f16.gguf")).tensor_info["blk.0.attn_q.weight"].qtype == "F16"
+    capsys.readouterr()
     assert cli.main(["convert", str(folder), "-o", str(tmp_path / "y.gguf"), "--type", "Q7"]) == 2
     assert "unknown type Q7" in capsys.readouterr().err
     assert cli.main(["convert", str(tmp_path / "nope"), "-o", str(tmp_path / "y.gguf")]) == 1
