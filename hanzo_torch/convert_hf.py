@@ -418,6 +418,12 @@ def _tokenizer(folder: Path, n_vocab: int) -> tuple[list[str], list[int], gguf.S
             tokens.append(text)
             types.append(int(gguf.TokenType.NORMAL))
     special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
+    post = tok.get("post_processor") or {}
+    if isinstance(post, dict) and any(isinstance(p, dict) and p.get("type") == "ByteLevel"
+                                      for p in post.get("processors", [post])):
+        # a ByteLevel post-processor adds no bos/eos; llama.cpp's converter records both as False
+        special.add_special_token.setdefault("bos", False)
+        special.add_special_token.setdefault("eos", False)
     if not special.merges:
         raise ConvertError(f"{tj}: no model.merges")
     return tokens, types, special

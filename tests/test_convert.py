@@ -481,3 +481,37 @@ def test_llama_quantize_of_f32_conversion_is_byte_identical(zoo, arch, ftype, tm
     assert {n: i.qtype for n, i in a.tensor_info.items()} == {n: i.qtype for n, i in b.tensor_info.items()}
     for name in a.tensor_info:
         assert torch.equal(a.packed(name), b.packed(name)), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe", "qwen2"])
+@pytest.mark.parametrize("ftype", ["F16", "Q8_0"])
+def test_same_file_as_convert_hf_to_gguf(arch, ftype, tmp_path):
+    """llama.cpp's own ``convert_hf_to_gguf.py`` (HANZO_LLAMA_CONVERT: its path, run with the
+    ``gguf-py`` beside it) writes the same metadata (all but the cosmetic ``general.name`` and
+    ``general.size_label``), the same tensor names, types, shapes and bytes."""
+    script = os.environ.get("HANZO_LLAMA_CONVERT")
+    if not script or not Path(script).is_file():
+        pytest.skip("set HANZO_LLAMA_CONVERT to llama.cpp's convert_hf_to_gguf.py")
+    folder = tmp_path / arch
+    _checkpoint(folder, arch, real_vocab=True, hidden_size=64, intermediate_size=128,
+                moe_intermediate_size=64, head_dim=16, tie_word_embeddings=arch != "qwen2")
+    ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    convert(folder, ours, ftype, progress=False)
+    env = dict(os.environ, PYTHONPATH=str(Path(script).parent / "gguf-py"))
+    proc = subprocess.run(["python3", script, str(folder), "--outtype", ftype.lower(), "--outfile", str(theirs)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = hanzo_torch.GGUFFile(str(ours)), hanzo_torch.GGUFFile(str(theirs))
+    skip = {"general.name", "general.size_label"}
+    assert set(a.metadata) - skip == set(b.metadata) - skip
+    for key in set(a.metadata) - skip:
+        va, vb = a.metadata[key], b.metadata[key]
+        if not isinstance(va, (str, int, float)):
+            va, vb = list(va), list(vb)
+        assert va == vb, key
+        assert a.metadata.value_type(key) == b.metadata.value_type(key), key
+    assert set(a.tensor_info) == set(b.tensor_info)
+    for name, info in b.tensor_info.items():
+        assert (a.tensor_info[name].qtype, tuple(a.tensor_info[name].shape)) == (info.qtype, tuple(info.shape)), name
+        assert torch.equal(a.packed(name), b.packed(name)), name
