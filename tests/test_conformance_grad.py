@@ -27,7 +27,7 @@ def _r(*shape, seed=0, scale=1.0):
 def _cases():
     """op -> (function of the float inputs, the float inputs): tiny shapes."""
     w8 = random_packed("Q8_0", (6, 32), seed=1)
-    w4k = random_packed("Q4_K", (5, 256), seed=2)
+    w8b = random_packed("Q8_0", (6, 32), seed=2)
     w3 = random_packed("Q8_0", (3, 4, 32), seed=3)
     ids = torch.tensor([[0, 2], [1, 1]])
     pos = torch.tensor([[1, 2, 3]])
@@ -35,7 +35,7 @@ def _cases():
     return {
         "mul_mat": (lambda x: ops.mul_mat(x, w8, "Q8_0"), (_r(2, 32),)),
         "mul_mat_id": (lambda x: ops.mul_mat_id(x, w3, ids, "Q8_0"), (_r(2, 32, seed=1),)),
-        "swiglu_mul_mat": (lambda x: ops.swiglu_mul_mat(x, w4k, w4k, "Q4_K", "Q4_K"), (_r(2, 256, seed=2, scale=0.05),)),
+        "swiglu_mul_mat": (lambda x: ops.swiglu_mul_mat(x, w8, w8b, "Q8_0", "Q8_0"), (_r(2, 32, seed=2, scale=0.1),)),
         "lora_mul_mat": (lambda x, a, b: ops.lora_mul_mat(x, w8, "Q8_0", a, b, 0.5),
                          (_r(2, 32, seed=3), _r(2, 32, seed=4), _r(6, 2, seed=5))),
         "moe_route": (lambda lg: ops.moe_route(lg, 2, True)[0], (_r(3, 5, seed=6),)),

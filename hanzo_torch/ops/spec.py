@@ -124,8 +124,12 @@ def declare(s: OpSpec):
     ``CustomOpDef``."""
     if s.name in SPECS:
         raise ValueError(f"hanzo op {s.name!r} is declared twice")
-    name, dev, ref = s.name, s.device_arg, s.checked_reference
+    name, dev, check, reference = s.name, s.device_arg, s.check, s.reference
     default = _dispatch.default
+
+    def ref(*args):  # the checked reference (OpSpec.checked_reference), without a bound-method call
+        check(*args)
+        return reference(*args)
 
     def body(*args):
         return default(name, args[dev].device.type, ref, *args)
@@ -133,7 +137,7 @@ def declare(s: OpSpec):
     body.__name__ = name
     body.__doc__ = s.doc or s.reference.__doc__
     op = torch.library.custom_op(f"hanzo::{name}", body, mutates_args=s.mutates, schema=s.schema)
-    check, outputs = s.check, s.outputs
+    outputs = s.outputs
 
     def fake(*args):
         check(*args)
