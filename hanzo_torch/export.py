@@ -58,158 +58,10 @@ _MLIR_EXTRA = 'the MLIR export needs the [mlir] extra: python3 -m pip install -e
 
 
 # ---------------------------------------------------------------------------------------------
-# trace-friendly references of the hanzo ops
+# trace forms of the hanzo ops: from the op table (hanzo_torch.ops.spec). An op's reference is its
+# trace form unless its declaration gives one with static shapes (where the reference reads data
+# on the host: id range checks, the live prefix of the cache, grouping MoE rows by expert).
 # ---------------------------------------------------------------------------------------------
-# The op references in hanzo_torch.ops read data on the host where that is free on the CPU
-# (id range checks, the live prefix of the cache, grouping MoE rows by expert); a traced program
-# has no data at trace time, so these versions compute the same values with static shapes only.
-# Ids are clamped instead of range-checked: the exported program cannot raise.
-
-_MATMUL_CHUNK_BYTES = 64 << 20  # most float32 bytes of one dequantized weight slice in the program
-
-
-def _dequant_rows(w: Tensor, qtype: str, K: int) -> Tensor:
-    fmt = _formats.get_format(qtype)
-    lead = tuple(w.shape[:-1])
-    return fmt.dequantize_blocks(w.reshape(-1, fmt.type_size)).reshape(*lead, K)
-
-
-def _row_length(w: Tensor, qtype: str) -> int:
-    fmt = _formats.get_format(qtype)
-    return w.shape[-1] // fmt.type_size * fmt.block_size
-
-
-def _mul_mat(x: Tensor, w: Tensor, qtype: str) -> Tensor:
-    K, N = x.shape[-1], w.shape[0]
-    x2 = x.reshape(-1, K).to(torch.float32)
-    step = max(1, _MATMUL_CHUNK_BYTES // (4 * K))
-    parts = [x2 @ _dequant_rows(w[n0:n0 + step], qtype, K).t() for n0 in range(0, N, step)]
-    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    return y.reshape(*x.shape[:-1], N).to(x.dtype)
-
-
-def _mul_mat_id(x: Tensor, w: Tensor, ids: Tensor, qtype: str) -> Tensor:
-    # gathers the packed rows of each selection's expert (uint8), then unpacks them
-    E, N = w.shape[0], w.shape[1]
-    T, k = ids.shape
-    K = x.shape[-1]
-    flat = ids.reshape(-1).to(torch.int64).clamp(0, E - 1)
-    xs = (x.unsqueeze(1).expand(T, k, K) if x.dim() == 2 else x).reshape(T * k, K).to(torch.float32)
-    step = max(1, _MATMUL_CHUNK_BYTES // (4 * N * K))
-    parts = []
-    for p0 in range(0, T * k, step):
-        wp = w.index_select(0, flat[p0:p0 + step])  # [P, N, rb] uint8
-        parts.append(torch.bmm(_dequant_rows(wp, qtype, K), xs[p0:p0 + step].unsqueeze(-1)).squeeze(-1))
-    y = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return y.reshape(T, k, N).to(x.dtype)
-
-
-def _get_rows(w: Tensor, ids: Tensor, qtype: str, dtype: torch.dtype) -> Tensor:
-    H = _row_length(w, qtype)
-    flat = ids.reshape(-1).to(torch.int64).clamp(0, w.shape[0] - 1)
-    return _dequant_rows(w.index_select(0, flat), qtype, H).reshape(*ids.shape, H).to(dtype)
-
-
-def _dequantize(data: Tensor, qtype: str, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-    shape = tuple(shape)
-    return _dequant_rows(data.reshape(-1, data.shape[-1]), qtype, shape[-1]).reshape(shape).to(dtype)
-
-
-def _moe_route(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
-    # k rounds of argmax (the first maximum: ties go to the lower expert id, as in the op)
-    probs = torch.softmax(logits.float(), dim=-1)
-    experts = torch.arange(probs.shape[-1], device=probs.device)
-    left, weights, ids = probs, [], []
-    for _ in range(k):
-        i = torch.argmax(left, dim=-1, keepdim=True)  # [T, 1]
-        weights.append(torch.gather(probs, -1, i))
-        ids.append(i)
-        left = torch.where(experts == i, torch.full_like(left, -1.0), left)
-    w, i = torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
-    if normalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w, i
-
-
-def _rms(xf: Tensor, w: Tensor, eps: float) -> Tensor:
-    return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * w.float()
-
-
-def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return _rms(x.float(), w, eps).to(x.dtype)
-
-
-def _add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    s = x + residual
-    return _rms_norm(s, w, eps), s
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-def _qk_norm_rope(q, k, q_w, k_w, positions, theta: float, eps: float) -> tuple[Tensor, Tensor]:
-    from .ops.fused import rope_cos_sin
-
-    qf, kf = q.float(), k.float()
-    if q_w is not None:
-        qf, kf = _rms(qf, q_w, eps), _rms(kf, k_w, eps)
-    cos, sin = rope_cos_sin(positions, q.shape[-1], theta)
-    return _rope(qf, cos, sin).to(q.dtype), _rope(kf, cos, sin).to(k.dtype)
-
-
-def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
-
-
-def _swiglu_mul_mat(x, w_gate, w_up, qtype_gate: str, qtype_up: str) -> Tensor:
-    return _swiglu(_mul_mat(x, w_gate, qtype_gate), _mul_mat(x, w_up, qtype_up))
-
-
-def _cache_update(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
-    # cache [B, S, H, D], new [B, T, H, D], positions [B, T]: slot s takes the new row whose
-    # position is s (a one-hot contraction: no scatter, so it lowers to plain linalg)
-    S = cache.shape[1]
-    hit = (positions.to(torch.int64)[:, :, None] == torch.arange(S, device=cache.device)).to(cache.dtype)  # [B, T, S]
-    written = hit.amax(dim=1)[:, :, None, None]  # [B, S, 1, 1]
-    scattered = torch.einsum("bts,bthd->bshd", hit, new)
-    return torch.where(written > 0, scattered, cache)
-
-
-def _kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
-    k_cache.copy_(_cache_update(k_cache, k, positions))
-    v_cache.copy_(_cache_update(v_cache, v, positions))
-
-
-def _qk_norm_rope_kv_write(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta: float, eps: float) -> Tensor:
-    q, k = _qk_norm_rope(q, k, q_w, k_w, positions, theta, eps)
-    _kv_cache_write(k_cache, v_cache, k, v, positions)
-    return q
-
-
-def _attention(q, k_cache, v_cache, positions, scale: float, impl: str) -> Tensor:
-    # every slot of the cache, slots past each query's position masked (eager softmax in float32)
-    B, T, Hq, D = q.shape
-    S, Hk = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hk
-    qf = q.float().reshape(B, T, Hk, G, D).permute(0, 2, 3, 1, 4)  # [B, Hk, G, T, D]
-    kf = k_cache.float().permute(0, 2, 1, 3)[:, :, None]  # [B, Hk, 1, S, D]
-    vf = v_cache.float().permute(0, 2, 1, 3)[:, :, None]
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hk, G, T, S]
-    visible = torch.arange(S, device=q.device)[None, None, :] <= positions.to(torch.int64)[:, :, None]
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [B, Hk, G, T, D]
-    return out.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D).to(q.dtype)
-
-
-def _quantize_q8_1(x: Tensor) -> Tensor:
-    from .formats.q8_1 import quantize_q8_1
-
-    return quantize_q8_1(x)
-
 
 # ---- Tensor.view(dtype) between byte widths ---------------------------------------------------
 # The format decoders read fp16 scales by reinterpreting packed bytes (uint8 -> float16,
@@ -253,23 +105,9 @@ def _view_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _decompositions() -> dict:
-    return {
-        hanzo.mul_mat.default: _mul_mat,
-        hanzo.mul_mat_id.default: _mul_mat_id,
-        hanzo.get_rows.default: _get_rows,
-        hanzo.dequantize.default: _dequantize,
-        hanzo.quantize_q8_1.default: _quantize_q8_1,
-        hanzo.moe_route.default: _moe_route,
-        hanzo.rms_norm.default: _rms_norm,
-        hanzo.add_rms_norm.default: _add_rms_norm,
-        hanzo.qk_norm_rope.default: _qk_norm_rope,
-        hanzo.swiglu.default: _swiglu,
-        hanzo.swiglu_mul_mat.default: _swiglu_mul_mat,
-        hanzo.kv_cache_write.default: _kv_cache_write,
-        hanzo.qk_norm_rope_kv_write.default: _qk_norm_rope_kv_write,
-        hanzo.attention.default: _attention,
-        aten.view.dtype: _view_dtype,
-    }
+    from .ops import spec
+
+    return {**spec.decompositions(), aten.view.dtype: _view_dtype}
 
 
 DECOMPOSITIONS: dict = _decompositions()
@@ -339,14 +177,14 @@ def _packed_weight_function(func, args, kwargs) -> Optional[Callable]:
         max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
         if max_norm is not None:
             raise NotImplementedError("hanzo_torch.export: F.embedding with max_norm on a packed weight")
-        return lambda ids, _w, *_, **__: _get_rows(w.packed, ids, w.qtype, w.dtype)
+        return lambda ids, _w, *_, **__: DECOMPOSITIONS[hanzo.get_rows.default](w.packed, ids, w.qtype, w.dtype)
     if func is torch.nn.functional.linear and len(args) >= 2 and type(args[1]) is GGUFTensor:
         w = args[1]
         if w.transposed:
             raise NotImplementedError("hanzo_torch.export: F.linear on a transposed packed weight")
 
         def linear(x, _w, bias=None):
-            y = _mul_mat(x, w.packed, w.qtype)
+            y = DECOMPOSITIONS[hanzo.mul_mat.default](x, w.packed, w.qtype)
             return y if bias is None else y + bias
 
         return linear

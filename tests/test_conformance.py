@@ -356,22 +356,11 @@ def _same_bytes(got, want, dtype=None):
     assert bad.numel() == 0, f"{bad.shape[0]} bytes differ, first at {bad[0].tolist()}"
 
 
-TOLERANCE = {
-    "dequantize": _exact,
-    "quantize_q8_1": _same_bytes,
-    "get_rows": _exact,
-    "kv_cache_write": _exact,
-    "rms_norm": _close,
-    "add_rms_norm": _close,
-    "qk_norm_rope": _close,
-    "swiglu": _close,
-    "qk_norm_rope_kv_write": _close,  # q; the caches: see test_qk_norm_rope_kv_write
-    "attention": _close,
-    "moe_route": _close,
-    "mul_mat": _contraction,
-    "mul_mat_id": _contraction,
-    # swiglu_mul_mat: the contraction bounds of its two projections carried through silu(g) * u
-}
+_TOLERANCE_RULES = {"exact": _exact, "same_bytes": _same_bytes, "close": _close, "contraction": _contraction}
+
+TOLERANCE = {name: _TOLERANCE_RULES[s.tolerance] for name, s in hanzo_torch.ops.SPECS.items()}
+# qk_norm_rope_kv_write: "close" is for q; the caches: see test_qk_norm_rope_kv_write.
+# swiglu_mul_mat: the contraction bounds of its two projections carried through silu(g) * u.
 """The tolerance of each op, for every backend (see the module docstring)."""
 
 
@@ -984,7 +973,7 @@ def _bad_calls():
         ("mul_mat", (torch.randn(1, 512), q4k, "Q4_K"), ValueError, "bytes per Q4_K row", False),
         ("mul_mat", (torch.randn(2, 32), q8, "Q8_0"), ValueError, "rows of 68 bytes", False),
         ("mul_mat", (torch.randn(2, 48), q8, "Q8_0"), ValueError, "not a multiple of the Q8_0 block size", False),
-        ("mul_mat", (torch.randn(2, 64, dtype=torch.float64), q8, "Q8_0"), ValueError,
+        ("mul_mat", (torch.randn(2, 64, dtype=torch.complex64), q8, "Q8_0"), ValueError,
          "float32, bfloat16 or float16", False),
         ("mul_mat", (torch.ones(1, 64, dtype=torch.int32), q8, "Q8_0"), ValueError, "float32, bfloat16 or float16", False),
         ("mul_mat", (torch.randn(2, 64), q8.to(torch.int16), "Q8_0"), ValueError, "uint8", False),
@@ -1009,7 +998,7 @@ def _bad_calls():
          "not a multiple of the Q6_K block size", False),
         ("swiglu_mul_mat", (torch.randn(2, 256), q6k, q6k, "Q6_K", "Q8_0"), ValueError, "bytes per Q8_0 row", False),
         ("swiglu_mul_mat", (torch.randn(2, 256), q6k.float(), q6k, "Q6_K", "Q6_K"), ValueError, "uint8", False),
-        ("swiglu_mul_mat", (torch.randn(2, 256, dtype=torch.float64), q6k, q6k, "Q6_K", "Q6_K"), ValueError,
+        ("swiglu_mul_mat", (torch.ones(2, 256, dtype=torch.int32), q6k, q6k, "Q6_K", "Q6_K"), ValueError,
          "float32, bfloat16 or float16", False),
         ("rms_norm", (x2, torch.randn(7), 1e-6), ValueError, "rms_norm", False),
         ("rms_norm", (torch.randn(2, 16), torch.ones(15), 1e-6), ValueError, "w must be", False),

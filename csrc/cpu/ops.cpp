@@ -19,6 +19,7 @@
 
 #include "hz_api.h"
 #include "threading.h"
+#include "hz_ops.h"
 
 extern "C" {
 const int8_t* hz_tables[HZ_N_TABLES] = {};
@@ -510,11 +511,7 @@ std::vector<std::vector<int64_t>> formats() {  // (type_id, block size, block by
 // side of the backend (hanzo_torch/backends/cpu): nothing here reads the environment.
 namespace dispatch {
 
-enum Op { MUL_MAT, MUL_MAT_ID, SWIGLU_MUL_MAT, GET_ROWS, DEQUANTIZE, RMS_NORM, ADD_RMS_NORM, QK_NORM_ROPE, SWIGLU,
-          KV_CACHE_WRITE, QK_NORM_ROPE_KV_WRITE, ATTENTION, MOE_ROUTE, N_OPS };
-const char* const kOpNames[N_OPS] = {"mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "rms_norm",
-                                     "add_rms_norm", "qk_norm_rope", "swiglu", "kv_cache_write",
-                                     "qk_norm_rope_kv_write", "attention", "moe_route"};
+using namespace hz::ops;  // enum Op, N_OPS, kOpNames: generated from the op table (hz_ops.h)
 std::atomic<bool> g_reference[N_OPS];
 std::atomic<int64_t> g_isa{0}, g_mv_max{5};
 std::atomic<bool> g_configured{false};  // false until configure(): every call goes to the reference
@@ -831,6 +828,23 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cpu(const at::Tensor& logits, c10::
     return op.call(at::softmax(logits.to(at::kFloat), -1), k, normalize);
 }
 
+// x @ W^T + scale (x @ A^T) @ B^T: the CPU mul_mat kernel, then torch GEMMs for the adapter, in the
+// steps and dtypes of the reference (hanzo_torch/ops/lora.py), so the bits are the reference's.
+at::Tensor lora_mul_mat_cpu(const at::Tensor& x, const at::Tensor& w, c10::string_view qtype, const at::Tensor& a,
+                            const at::Tensor& b, double scale) {
+    bool ok = !use_ref(LORA_MUL_MAT) && is_act(x) && x.dim() >= 1 && is_act(a) && is_act(b) && a.dim() == 2 &&
+              b.dim() == 2 && w.dim() == 2 && a.size(1) == x.size(-1) && b.size(1) == a.size(0) && b.size(0) == w.size(0);
+    if (!ok) {
+        static auto ref = ref_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, const at::Tensor&,
+                                            const at::Tensor&, double)>("hanzo_ref::lora_mul_mat");
+        return ref.call(x, w, qtype, a, b, scale);
+    }
+    at::Tensor y = mul_mat_cpu(x, w, qtype);
+    at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(at::kFloat);
+    at::Tensor delta = at::matmul(at::matmul(x2, a.to(at::kFloat).t()), b.to(at::kFloat).t()) * scale;
+    return (y.reshape({-1, y.size(-1)}).to(at::kFloat) + delta).reshape(y.sizes()).to(x.scalar_type());
+}
+
 // The version-counter bump of kv_cache_write's mutated caches (ADInplaceOrView key), in C++: the
 // custom op's own is Python (~50 us a call on the model's KV caches, which are normal tensors so
 // that no_grad calls may write them). Same steps: bump k_cache's and v_cache's versions (inference
@@ -884,7 +898,15 @@ void set_reference(const std::string& name, bool enabled) {
         }
 }
 
-std::vector<std::string> native_ops() { return std::vector<std::string>(kOpNames, kOpNames + N_OPS); }
+// The hanzo ops with a kernel on the CPU dispatch key (the TORCH_LIBRARY_IMPL block below).
+std::vector<std::string> native_ops() {
+    std::vector<std::string> out;
+    for (int i = 0; i < N_OPS; ++i) {
+        auto h = c10::Dispatcher::singleton().findOp({std::string("hanzo::") + kOpNames[i], ""});
+        if (h.has_value() && h->hasKernelForDispatchKey(c10::DispatchKey::CPU)) out.push_back(kOpNames[i]);
+    }
+    return out;
+}
 
 }  // namespace dispatch
 
@@ -963,6 +985,7 @@ TORCH_LIBRARY_IMPL(hanzo, CPU, m) {
     m.impl("qk_norm_rope_kv_write", TORCH_FN(dispatch::qk_norm_rope_kv_write_cpu));
     m.impl("attention", TORCH_FN(dispatch::attention_cpu));
     m.impl("moe_route", TORCH_FN(dispatch::moe_route_cpu));
+    m.impl("lora_mul_mat", TORCH_FN(dispatch::lora_mul_mat_cpu));
 }
 
 // Replaces the custom ops' Python ADInplaceOrView kernels of kv_cache_write and

@@ -16,6 +16,7 @@
 // arguments or computes the result. Positions stay on the device: kv_cache_write skips a
 // position outside [0, S); attention lets a position >= S see the whole cache and a negative one
 // nothing (zeros), as the Triton kernels do.
+#include "../cpu/hz_ops.h"
 #include "reference_mode.h"
 #include "runtime.h"
 
@@ -37,10 +38,9 @@ namespace hz {
 namespace vk {
 namespace fused {
 
-enum Op { RMS_NORM, ADD_RMS_NORM, QK_NORM_ROPE, SWIGLU, KV_CACHE_WRITE, QK_NORM_ROPE_KV_WRITE, ATTENTION, MOE_ROUTE,
-          N_OPS };
-const char* const kOpNames[N_OPS] = {"rms_norm", "add_rms_norm", "qk_norm_rope", "swiglu", "kv_cache_write",
-                                     "qk_norm_rope_kv_write", "attention", "moe_route"};
+using hz::ops::kOpNames;  // enum Op, N_OPS, kOpNames: generated from the op table (hz_ops.h)
+using hz::ops::N_OPS;
+using hz::ops::Op;
 ReferenceFlags<N_OPS> g_reference(kOpNames);
 
 // Reference mode of one op (true: its calls run torch.ops.hanzo_ref.<op>); false for a name

@@ -41,15 +41,14 @@
 #include <unordered_set>
 #include <vector>
 
+#include "../cpu/hz_ops.h"
 #include "reference_mode.h"
 #include "runtime.h"
 
 namespace hz::vk::quant {
 namespace {
 
-enum Op { MUL_MAT, MUL_MAT_ID, SWIGLU_MUL_MAT, GET_ROWS, DEQUANTIZE, QUANTIZE_Q8_1, N_OPS };
-const char* const kOpNames[N_OPS] = {"mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize",
-                                     "quantize_q8_1"};
+using namespace hz::ops;  // enum Op, N_OPS, kOpNames: generated from the op table (hz_ops.h)
 
 constexpr int64_t kMatVecRows = 8;        // HZ_MV_MAX_M of mul_mat_vec.comp
 constexpr int64_t kTile = 64;             // BM = BN of mul_mat.comp

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _dispatch
+from .spec import OpSpec, declare
 from .quant import _check_act, _check_packed, _check_row_length, _check_same_device, get_format
 
 __all__ = ["OPS", "swiglu_mul_mat_reference"]
@@ -64,43 +64,10 @@ def swiglu_mul_mat_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.
     return ops.swiglu(ops.mul_mat(x, w_gate, qtype_gate), ops.mul_mat(x, w_up, qtype_up))
 
 
-@torch.library.custom_op(
-    "hanzo::swiglu_mul_mat", mutates_args=(),
-    schema="(Tensor x, Tensor w_gate, Tensor w_up, str qtype_gate, str qtype_up) -> Tensor",
-)
-def swiglu_mul_mat(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   qtype_gate: str, qtype_up: str) -> torch.Tensor:
-    """``torch.ops.hanzo.swiglu_mul_mat``: ``silu(x @ Wg^T) * (x @ Wu^T)``.
-
-    Args:
-        x: ``[..., K]`` float32/bfloat16/float16.
-        w_gate, w_up: ``uint8 [F, row_bytes(K)]`` packed rows (docs/ARCHITECTURE.md) in the
-            ggml formats ``qtype_gate`` / ``qtype_up``.
-    Returns:
-        ``[..., F]`` in ``x.dtype``, float32 accumulation.
-    Raises:
-        ValueError: x dtype, non-uint8 or non-2-D weights, K not a multiple of a block size, row
-            bytes not matching K, gate and up widths F differing, tensors on different devices.
-        KeyError/ValueError: an unknown format name (from the format registry).
-    """
-    return _dispatch.default(_OP, x.device.type, _swiglu_mul_mat_checked, x, w_gate, w_up, qtype_gate, qtype_up)
-
-
-def _swiglu_mul_mat_checked(x, w_gate, w_up, qtype_gate, qtype_up):
-    check_args(_OP, x, w_gate, w_up, qtype_gate, qtype_up)
-    return swiglu_mul_mat_reference(x, w_gate, w_up, qtype_gate, qtype_up)
-
-
 def check_args(op: str, x, w_gate, w_up, qtype_gate, qtype_up) -> None:
     """The checks of ``hanzo::swiglu_mul_mat`` (shapes, dtypes, devices); raises ValueError."""
     _check_swiglu_mul_mat(x, w_gate, w_up, qtype_gate, qtype_up)
     _check_same_device(_OP, x, w_gate, w_up)
-
-
-@swiglu_mul_mat.register_fake
-def _swiglu_mul_mat_fake(x, w_gate, w_up, qtype_gate, qtype_up):
-    _check_swiglu_mul_mat(x, w_gate, w_up, qtype_gate, qtype_up)
-    return x.new_empty(*x.shape[:-1], w_gate.shape[0])
 
 
 # ---------------------------------------------------------------------- autograd (w.r.t. x only)
@@ -118,12 +85,29 @@ def _backward(ctx, grad):
     qg, qu = ctx.qtypes
     with torch.enable_grad():
         xr = x.detach().requires_grad_(True)
-        g = torch.ops.hanzo.mul_mat(xr, w_gate, qg).float()
-        u = torch.ops.hanzo.mul_mat(xr, w_up, qu).float()
+        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        g = torch.ops.hanzo.mul_mat(xr, w_gate, qg).to(cd)
+        u = torch.ops.hanzo.mul_mat(xr, w_up, qu).to(cd)
         y = F.silu(g) * u
-        (gx,) = torch.autograd.grad(y, xr, grad.float())
+        (gx,) = torch.autograd.grad(y, xr, grad.to(cd))
     return gx.to(x.dtype), None, None, None, None
 
 
-swiglu_mul_mat.register_autograd(_backward, setup_context=_setup_context)
-_dispatch.define_reference_op(_OP, _swiglu_mul_mat_checked)
+swiglu_mul_mat = declare(OpSpec(
+    _OP, "(Tensor x, Tensor w_gate, Tensor w_up, str qtype_gate, str qtype_up) -> Tensor",
+    check=lambda x, w_gate, w_up, qtype_gate, qtype_up: check_args(_OP, x, w_gate, w_up, qtype_gate, qtype_up),
+    reference=swiglu_mul_mat_reference, tolerance="contraction",
+    outputs=lambda x, w_gate, *_: x.new_empty(*x.shape[:-1], w_gate.shape[0]),
+    backward=(_setup_context, _backward), doc="""``torch.ops.hanzo.swiglu_mul_mat``: ``silu(x @ Wg^T) * (x @ Wu^T)``.
+
+    Args:
+        x: ``[..., K]`` float32/bfloat16/float16.
+        w_gate, w_up: ``uint8 [F, row_bytes(K)]`` packed rows (docs/ARCHITECTURE.md) in the
+            ggml formats ``qtype_gate`` / ``qtype_up``.
+    Returns:
+        ``[..., F]`` in ``x.dtype``, float32 accumulation.
+    Raises:
+        ValueError: x dtype, non-uint8 or non-2-D weights, K not a multiple of a block size, row
+            bytes not matching K, gate and up widths F differing, tensors on different devices.
+        KeyError/ValueError: an unknown format name (from the format registry).
+    """))

@@ -7,18 +7,18 @@ device's dispatch key runs instead where there is one (:mod:`hanzo_torch.ops._di
 ``HANZO_<OP>_FALLBACK=1`` or :func:`hanzo_torch.ops.use_reference` forces the reference.
 
 Statistics (norms, softmax, RoPE angles, attention scores, P*V) are computed in float32 whatever
-the activation dtype; results are returned in the input's dtype.
+the activation dtype (float64 for float64 inputs, a reference-only dtype: see
+:mod:`hanzo_torch.ops.spec`); results are returned in the input's dtype.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _dispatch as _dispatcher
+from .spec import OpSpec, compute_dtype, declare
 
 __all__ = [
     "moe_route_reference",
@@ -41,7 +41,7 @@ ATTENTION_IMPLS = ("auto", "eager", "flash")
 # [B, Hq, T, FLASH_BLOCK].
 FLASH_BLOCK = 256
 
-_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # float64: reference only
 
 
 def _check(cond: bool, op: str, msg) -> None:
@@ -52,7 +52,7 @@ def _check(cond: bool, op: str, msg) -> None:
 
 
 def _check_float(t: Tensor, op: str, name: str) -> None:
-    _check(t.dtype in _FLOAT_TYPES, op, lambda: f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+    _check(t.dtype in _FLOAT_TYPES, op, lambda: f"{name} must be float32/float16/bfloat16 (float64: reference only), got {t.dtype}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,39 +66,13 @@ def _check_moe_route(logits: Tensor, k: int) -> None:
 
 def moe_route_reference(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
     """Softmax over experts (f32), top-k with ties to the lower expert index, optional renormalization."""
-    probs = torch.softmax(logits.float(), dim=-1)
+    probs = torch.softmax(logits.to(compute_dtype(logits)), dim=-1)
     # A stable descending sort keeps equal probabilities in index order: ties go to the lower id.
     vals, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, ids = vals[:, :k].contiguous(), ids[:, :k].contiguous()
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
-
-
-@torch.library.custom_op("hanzo::moe_route", mutates_args=())
-def moe_route(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
-    """Mixture-of-experts routing in one pass.
-
-    Args:
-        logits: router logits ``[T, E]`` (f32/f16/bf16).
-        k: experts per token (``expert_used_count``), 1 <= k <= E.
-        normalize: divide the k selected probabilities by their sum (Qwen3-MoE's ``norm_topk_prob``).
-
-    Returns:
-        ``(weights float32 [T, k], ids int64 [T, k])``; experts in descending probability, ties to
-        the lower expert index.
-
-    Raises:
-        ValueError: bad shape, dtype or k.
-    """
-    return _dispatcher.default("moe_route", logits.device.type, _moe_route_checked, logits, k, normalize)
-
-
-@moe_route.register_fake
-def _(logits, k, normalize):
-    _check_moe_route(logits, k)
-    T = logits.shape[0]
-    return logits.new_empty((T, k), dtype=torch.float32), logits.new_empty((T, k), dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,33 +87,9 @@ def _check_norm(op: str, x: Tensor, w: Tensor) -> None:
 
 def rms_norm_reference(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * w``, statistics and product in float32, result in x.dtype."""
-    xf = x.float()
+    xf = x.to(compute_dtype(x))
     inv = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (xf * inv * w.float()).to(x.dtype)
-
-
-@torch.library.custom_op("hanzo::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dim.
-
-    Args:
-        x: ``[..., H]`` activations (f32/f16/bf16).
-        w: ``[H]`` weight.
-        eps: added to the mean square (``layer_norm_rms_epsilon``).
-
-    Returns:
-        ``[..., H]`` in x.dtype; statistics in float32.
-
-    Raises:
-        ValueError: shape or dtype mismatch.
-    """
-    return _dispatcher.default("rms_norm", x.device.type, _rms_norm_checked, x, w, eps)
-
-
-@rms_norm.register_fake
-def _(x, w, eps):
-    _check_norm("rms_norm", x, w)
-    return torch.empty_like(x)
+    return (xf * inv * w.to(xf.dtype)).to(x.dtype)
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -152,30 +102,6 @@ def _check_add_norm(x: Tensor, residual: Tensor, w: Tensor) -> None:
     _check_norm("add_rms_norm", x, w)
     _check(x.shape == residual.shape and x.dtype == residual.dtype, "add_rms_norm",
            lambda: f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} must match")
-
-
-@torch.library.custom_op("hanzo::add_rms_norm", mutates_args=())
-def add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Fused residual add + RMSNorm.
-
-    Args:
-        x, residual: ``[..., H]`` of one dtype.
-        w: ``[H]``.
-        eps: RMSNorm epsilon.
-
-    Returns:
-        ``(normed, s)``: ``s = x + residual`` (x.dtype) and ``normed = rms_norm(s) * w``.
-
-    Raises:
-        ValueError: shape or dtype mismatch.
-    """
-    return _dispatcher.default("add_rms_norm", x.device.type, _add_rms_norm_checked, x, residual, w, eps)
-
-
-@add_rms_norm.register_fake
-def _(x, residual, w, eps):
-    _check_add_norm(x, residual, w)
-    return torch.empty_like(x), torch.empty_like(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,40 +147,12 @@ def _rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def qk_norm_rope_reference(q, k, q_w, k_w, positions, theta: float, eps: float) -> tuple[Tensor, Tensor]:
     """Unfused: per-head RMSNorm of q and k (when weights are given), then NEOX RoPE, in float32."""
-    qf, kf = q.float(), k.float()
+    qf, kf = q.to(compute_dtype(q)), k.to(compute_dtype(k))
     if q_w is not None:
         qf = rms_norm_reference(qf, q_w, eps)
         kf = rms_norm_reference(kf, k_w, eps)
     cos, sin = rope_cos_sin(positions, q.shape[-1], theta)
     return _rope_neox(qf, cos, sin).to(q.dtype), _rope_neox(kf, cos, sin).to(k.dtype)
-
-
-@torch.library.custom_op("hanzo::qk_norm_rope", mutates_args=())
-def qk_norm_rope(q: Tensor, k: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor], positions: Tensor,
-                 theta: float, eps: float) -> tuple[Tensor, Tensor]:
-    """Per-head RMSNorm of q and k over D (Qwen3's ``attn_q_norm``/``attn_k_norm``), then NEOX RoPE.
-
-    Args:
-        q: ``[B, T, Hq, D]``; k: ``[B, T, Hk, D]`` (same dtype).
-        q_w, k_w: ``[D]`` norm weights, or both None to skip the norm (Qwen2).
-        positions: integer ``[B, T]`` token positions, read on the device (no host sync).
-        theta: RoPE base (``rope.freq_base``).
-        eps: RMSNorm epsilon.
-
-    Returns:
-        ``(q, k)`` rotated, in the input dtype; pairs ``(i, i + D/2)`` rotate by
-        ``position / theta^(2i/D)`` radians.
-
-    Raises:
-        ValueError: shape or dtype mismatch.
-    """
-    return _dispatcher.default("qk_norm_rope", q.device.type, _qk_norm_rope_checked, q, k, q_w, k_w, positions, theta, eps)
-
-
-@qk_norm_rope.register_fake
-def _(q, k, q_w, k_w, positions, theta, eps):
-    _check_qk(q, k, q_w, k_w, positions)
-    return torch.empty_like(q), torch.empty_like(k)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,23 +166,8 @@ def _check_swiglu(gate: Tensor, up: Tensor) -> None:
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` in float32, result in gate.dtype."""
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
-
-
-@torch.library.custom_op("hanzo::swiglu", mutates_args=())
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """SwiGLU activation: ``silu(gate) * up``, elementwise, shapes ``[..., F]``, computed in float32.
-
-    Raises:
-        ValueError: shape or dtype mismatch.
-    """
-    return _dispatcher.default("swiglu", gate.device.type, _swiglu_checked, gate, up)
-
-
-@swiglu.register_fake
-def _(gate, up):
-    _check_swiglu(gate, up)
-    return torch.empty_like(gate)
+    cd = compute_dtype(gate)
+    return (F.silu(gate.to(cd)) * up.to(cd)).to(gate.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,7 +192,7 @@ ggml's ``quantize_row_q8_0_ref`` rounding (the bytes of ``hanzo_torch.quantize(x
 A uint8 cache always means q8_0."""
 
 _Q8_0_BLOCK, _Q8_0_BYTES = 32, 34
-_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.float64)  # float64: reference only
 
 
 def kv_cache_shape(B: int, S: int, Hk: int, D: int, kv_dtype: str) -> tuple[int, int, int, int]:
@@ -370,13 +253,14 @@ def kv_to_cache(x: Tensor, cache_dtype: torch.dtype) -> Tensor:
     return quantize(x, "Q8_0")
 
 
-def kv_from_cache(cache: Tensor, D: int) -> Tensor:
-    """Cache rows as float32 ``[..., D]`` (q8_0 blocks dequantized: ``d * q``)."""
+def kv_from_cache(cache: Tensor, D: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Cache rows as ``dtype`` (float32, or float64 for the reference-only float64) ``[..., D]``
+    (q8_0 blocks dequantized: ``d * q``)."""
     if cache.dtype != torch.uint8:
-        return cache.float()
+        return cache.to(dtype)
     from ..formats import dequantize
 
-    return dequantize(cache.contiguous(), "Q8_0", (*cache.shape[:-1], D), torch.float32)
+    return dequantize(cache.contiguous(), "Q8_0", (*cache.shape[:-1], D), torch.float32).to(dtype)
 
 
 def kv_cache_write_reference(k_cache, v_cache, k, v, positions) -> None:
@@ -387,31 +271,6 @@ def kv_cache_write_reference(k_cache, v_cache, k, v, positions) -> None:
     pos = positions.long()
     k_cache.index_put_((b_idx, pos), kv_to_cache(k, k_cache.dtype))
     v_cache.index_put_((b_idx, pos), kv_to_cache(v, v_cache.dtype))
-
-
-@torch.library.custom_op("hanzo::kv_cache_write", mutates_args=("k_cache", "v_cache"))
-def kv_cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
-    """Write new keys/values into the static KV cache at their positions, in place.
-
-    Args:
-        k_cache, v_cache: ``[B, S, Hk, D]`` caches of one dtype, float32, float16 or bfloat16, or
-            q8_0 blocks ``uint8 [B, S, Hk, D/32*34]`` (:data:`KV_CACHE_DTYPES`); allocated once at
-            max context, never reallocated.
-        k, v: ``[B, T, Hk, D]`` new entries (f32/f16/bf16, one dtype, which may differ from the
-            caches'): each row is rounded to the cache's dtype (nearest even) or quantized to
-            q8_0 as ``hanzo_torch.quantize(row, "Q8_0")`` does.
-        positions: integer ``[B, T]`` slots to write, each in ``[0, S)``.
-
-    Raises:
-        ValueError: shape/dtype mismatch, or (on CPU) a position outside the cache.
-    """
-    _dispatcher.default("kv_cache_write", k.device.type, _kv_cache_write_checked, k_cache, v_cache, k, v, positions)
-
-
-@kv_cache_write.register_fake
-def _(k_cache, v_cache, k, v, positions):
-    _check_kv(k_cache, v_cache, k, v, positions)
-    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,42 +291,6 @@ def qk_norm_rope_kv_write_reference(q, k, v, q_w, k_w, k_cache, v_cache, positio
     return q
 
 
-@torch.library.custom_op("hanzo::qk_norm_rope_kv_write", mutates_args=("k_cache", "v_cache"))
-def qk_norm_rope_kv_write(q: Tensor, k: Tensor, v: Tensor, q_w: Optional[Tensor], k_w: Optional[Tensor],
-                          k_cache: Tensor, v_cache: Tensor, positions: Tensor, theta: float, eps: float) -> Tensor:
-    """:func:`qk_norm_rope` and :func:`kv_cache_write` of its rotated keys in one op (one kernel
-    launch where the backend has a fused kernel): the attention block's step between the q/k/v
-    projections and ``attention``.
-
-    Args:
-        q: ``[B, T, Hq, D]``; k, v: ``[B, T, Hk, D]`` (one float dtype: f32/f16/bf16).
-        q_w, k_w: ``[D]`` per-head RMSNorm weights of q and k, or both None (Qwen2: RoPE only).
-        k_cache, v_cache: ``[B, S, Hk, D]`` caches of one dtype (float32, float16, bfloat16) or
-            q8_0 blocks ``uint8 [B, S, Hk, D/32*34]`` (:data:`KV_CACHE_DTYPES`), written in place.
-        positions: integer ``[B, T]`` token positions (the RoPE angles and the cache slots), each
-            in ``[0, S)``; read on the device (no host sync).
-        theta: RoPE base (``rope.freq_base``).
-        eps: RMSNorm epsilon.
-
-    Returns:
-        The rotated q ``[B, T, Hq, D]`` in q's dtype. ``k_cache[b, positions[b, t]]`` receives the
-        normalized, rotated ``k[b, t]`` rounded to q's dtype and then converted to the cache's
-        type, ``v_cache`` receives ``v[b, t]``: the same bits as ``qk_norm_rope`` followed by
-        ``kv_cache_write``.
-
-    Raises:
-        ValueError: shape/dtype mismatch, or (on CPU) a position outside the cache.
-    """
-    return _dispatcher.default("qk_norm_rope_kv_write", q.device.type, _qk_norm_rope_kv_write_checked, q, k, v, q_w,
-                               k_w, k_cache, v_cache, positions, theta, eps)
-
-
-@qk_norm_rope_kv_write.register_fake
-def _(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps):
-    _check_qk_kv(q, k, v, q_w, k_w, k_cache, v_cache, positions)
-    return torch.empty_like(q)
-
-
 # ----------------------------------------------------------------------------------------------
 # attention
 # ----------------------------------------------------------------------------------------------
@@ -486,14 +309,19 @@ def _check_attention(q, k_cache, v_cache, positions, impl) -> None:
     _check(not positions.is_floating_point() and positions.dtype != torch.bool, op, "positions must be integers")
 
 
+def _attention_dtype(q: Tensor, k_cache: Tensor) -> torch.dtype:
+    return torch.float64 if torch.float64 in (q.dtype, k_cache.dtype) else torch.float32
+
+
 def _attention_eager(q, k_cache, v_cache, positions, scale):
     # q: [B, T, Hq, D] -> [B, Hk, G, T, D]; caches [B, S, Hk, D] -> [B, Hk, 1, S, D]
     B, T, Hq, D = q.shape
     S, Hk = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hk
-    qf = q.float().view(B, T, Hk, G, D).permute(0, 2, 3, 1, 4)
-    kf = kv_from_cache(k_cache, D).permute(0, 2, 1, 3)[:, :, None]
-    vf = kv_from_cache(v_cache, D).permute(0, 2, 1, 3)[:, :, None]
+    cd = _attention_dtype(q, k_cache)
+    qf = q.to(cd).view(B, T, Hk, G, D).permute(0, 2, 3, 1, 4)
+    kf = kv_from_cache(k_cache, D, cd).permute(0, 2, 1, 3)[:, :, None]
+    vf = kv_from_cache(v_cache, D, cd).permute(0, 2, 1, 3)[:, :, None]
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hk, G, T, S]
     visible = torch.arange(S, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, T, S]
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
@@ -507,14 +335,15 @@ def _attention_flash(q, k_cache, v_cache, positions, scale):
     B, T, Hq, D = q.shape
     S, Hk = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hk
-    qf = q.float().view(B, T, Hk, G, D).permute(0, 2, 3, 1, 4)  # [B, Hk, G, T, D]
-    m = torch.full((B, Hk, G, T, 1), float("-inf"), device=q.device)
-    l = torch.zeros((B, Hk, G, T, 1), device=q.device)
-    acc = torch.zeros((B, Hk, G, T, D), device=q.device)
+    cd = _attention_dtype(q, k_cache)
+    qf = q.to(cd).view(B, T, Hk, G, D).permute(0, 2, 3, 1, 4)  # [B, Hk, G, T, D]
+    m = torch.full((B, Hk, G, T, 1), float("-inf"), device=q.device, dtype=cd)
+    l = torch.zeros((B, Hk, G, T, 1), device=q.device, dtype=cd)
+    acc = torch.zeros((B, Hk, G, T, D), device=q.device, dtype=cd)
     for s0 in range(0, S, FLASH_BLOCK):
         s1 = min(S, s0 + FLASH_BLOCK)
-        kb = kv_from_cache(k_cache[:, s0:s1], D).permute(0, 2, 1, 3)[:, :, None]
-        vb = kv_from_cache(v_cache[:, s0:s1], D).permute(0, 2, 1, 3)[:, :, None]
+        kb = kv_from_cache(k_cache[:, s0:s1], D, cd).permute(0, 2, 1, 3)[:, :, None]
+        vb = kv_from_cache(v_cache[:, s0:s1], D, cd).permute(0, 2, 1, 3)[:, :, None]
         sc = torch.matmul(qf, kb.transpose(-1, -2)) * scale  # [B, Hk, G, T, blk]
         visible = torch.arange(s0, s1, device=q.device)[None, None, :] <= positions[:, :, None]
         sc = sc.masked_fill(~visible[:, None, None], float("-inf"))
@@ -546,9 +375,209 @@ def attention_reference(q, k_cache, v_cache, positions, scale: float, impl: str 
     return fn(q, k_cache, v_cache, positions, scale).to(q.dtype).contiguous()
 
 
-@torch.library.custom_op("hanzo::attention", mutates_args=())
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, scale: float, impl: str) -> Tensor:
-    """Causal, grouped-query attention of new queries against the KV cache.
+# ----------------------------------------------------------------------------------------------
+# trace forms (torch.export): static shapes, no data read on the host
+# ----------------------------------------------------------------------------------------------
+def _moe_route_trace(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    # k rounds of argmax (the first maximum: ties go to the lower expert id, as in the reference);
+    # a sort has no lowering in torch-mlir
+    probs = torch.softmax(logits.to(compute_dtype(logits)), dim=-1)
+    experts = torch.arange(probs.shape[-1], device=probs.device)
+    left, weights, ids = probs, [], []
+    for _ in range(k):
+        i = torch.argmax(left, dim=-1, keepdim=True)  # [T, 1]
+        weights.append(torch.gather(probs, -1, i))
+        ids.append(i)
+        left = torch.where(experts == i, torch.full_like(left, -1.0), left)
+    w, i = torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
+    if normalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, i
+
+
+def _cache_update(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
+    # cache [B, S, H, D], new [B, T, H, D], positions [B, T]: slot s takes the new row whose
+    # position is s (a one-hot contraction: no scatter, so it lowers to plain linalg)
+    S = cache.shape[1]
+    hit = (positions.to(torch.int64)[:, :, None] == torch.arange(S, device=cache.device)).to(cache.dtype)  # [B, T, S]
+    written = hit.amax(dim=1)[:, :, None, None]  # [B, S, 1, 1]
+    scattered = torch.einsum("bts,bthd->bshd", hit, new)
+    return torch.where(written > 0, scattered, cache)
+
+
+def _kv_cache_write_trace(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    k_cache.copy_(_cache_update(k_cache, k, positions))
+    v_cache.copy_(_cache_update(v_cache, v, positions))
+
+
+def _qk_norm_rope_kv_write_trace(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta: float, eps: float) -> Tensor:
+    q, k = qk_norm_rope_reference(q, k, q_w, k_w, positions, theta, eps)
+    _kv_cache_write_trace(k_cache, v_cache, k, v, positions)
+    return q
+
+
+def _attention_trace(q, k_cache, v_cache, positions, scale: float, impl: str) -> Tensor:
+    # every slot of the cache (no live prefix read on the host), eager float32 softmax
+    return _attention_eager(q, k_cache, v_cache, positions.to(torch.int64), scale).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# the op table entries
+# ----------------------------------------------------------------------------------------------
+def _kv_cache_write_reference_checked(k_cache, v_cache, k, v, positions) -> None:
+    _check_positions_in_range("kv_cache_write", positions, k_cache.shape[1])
+    kv_cache_write_reference(k_cache, v_cache, k, v, positions)
+
+
+def _qk_norm_rope_kv_write_reference_checked(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps):
+    _check_positions_in_range("qk_norm_rope_kv_write", positions, k_cache.shape[1])
+    return qk_norm_rope_kv_write_reference(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps)
+
+
+def _attention_reference_checked(q, k_cache, v_cache, positions, scale, impl):
+    _check_positions_in_range("attention", positions, k_cache.shape[1])
+    return attention_reference(q, k_cache, v_cache, positions, scale, impl)
+
+
+moe_route = declare(OpSpec(
+    "moe_route", "(Tensor logits, SymInt k, bool normalize) -> (Tensor, Tensor)",
+    check=lambda logits, k, normalize: _check_moe_route(logits, k), reference=moe_route_reference,
+    trace=_moe_route_trace,
+    outputs=lambda logits, k, normalize: (logits.new_empty((logits.shape[0], k), dtype=compute_dtype(logits)),
+                                          logits.new_empty((logits.shape[0], k), dtype=torch.int64)),
+    doc="""Mixture-of-experts routing in one pass.
+
+    Args:
+        logits: router logits ``[T, E]`` (f32/f16/bf16).
+        k: experts per token (``expert_used_count``), 1 <= k <= E.
+        normalize: divide the k selected probabilities by their sum (Qwen3-MoE's ``norm_topk_prob``).
+
+    Returns:
+        ``(weights float32 [T, k], ids int64 [T, k])``; experts in descending probability, ties to
+        the lower expert index.
+
+    Raises:
+        ValueError: bad shape, dtype or k.
+    """))
+
+rms_norm = declare(OpSpec(
+    "rms_norm", "(Tensor x, Tensor w, float eps) -> Tensor",
+    check=lambda x, w, eps: _check_norm("rms_norm", x, w), reference=rms_norm_reference,
+    outputs=lambda x, w, eps: torch.empty_like(x), doc="""RMSNorm over the last dim.
+
+    Args:
+        x: ``[..., H]`` activations (f32/f16/bf16).
+        w: ``[H]`` weight.
+        eps: added to the mean square (``layer_norm_rms_epsilon``).
+
+    Returns:
+        ``[..., H]`` in x.dtype; statistics in float32.
+
+    Raises:
+        ValueError: shape or dtype mismatch.
+    """))
+
+add_rms_norm = declare(OpSpec(
+    "add_rms_norm", "(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)",
+    check=lambda x, residual, w, eps: _check_add_norm(x, residual, w), reference=add_rms_norm_reference,
+    outputs=lambda x, residual, w, eps: (torch.empty_like(x), torch.empty_like(x)), doc="""Fused residual add + RMSNorm.
+
+    Args:
+        x, residual: ``[..., H]`` of one dtype.
+        w: ``[H]``.
+        eps: RMSNorm epsilon.
+
+    Returns:
+        ``(normed, s)``: ``s = x + residual`` (x.dtype) and ``normed = rms_norm(s) * w``.
+
+    Raises:
+        ValueError: shape or dtype mismatch.
+    """))
+
+qk_norm_rope = declare(OpSpec(
+    "qk_norm_rope",
+    "(Tensor q, Tensor k, Tensor? q_w, Tensor? k_w, Tensor positions, float theta, float eps) -> (Tensor, Tensor)",
+    check=lambda q, k, q_w, k_w, positions, theta, eps: _check_qk(q, k, q_w, k_w, positions),
+    reference=qk_norm_rope_reference,
+    outputs=lambda q, k, *_: (torch.empty_like(q), torch.empty_like(k)), doc="""Per-head RMSNorm of q and k over D (Qwen3's ``attn_q_norm``/``attn_k_norm``), then NEOX RoPE.
+
+    Args:
+        q: ``[B, T, Hq, D]``; k: ``[B, T, Hk, D]`` (same dtype).
+        q_w, k_w: ``[D]`` norm weights, or both None to skip the norm (Qwen2).
+        positions: integer ``[B, T]`` token positions, read on the device (no host sync).
+        theta: RoPE base (``rope.freq_base``).
+        eps: RMSNorm epsilon.
+
+    Returns:
+        ``(q, k)`` rotated, in the input dtype; pairs ``(i, i + D/2)`` rotate by
+        ``position / theta^(2i/D)`` radians.
+
+    Raises:
+        ValueError: shape or dtype mismatch.
+    """))
+
+swiglu = declare(OpSpec(
+    "swiglu", "(Tensor gate, Tensor up) -> Tensor", check=_check_swiglu, reference=swiglu_reference,
+    outputs=lambda gate, up: torch.empty_like(gate), doc="""SwiGLU activation: ``silu(gate) * up``, elementwise, shapes ``[..., F]``, computed in float32.
+
+    Raises:
+        ValueError: shape or dtype mismatch.
+    """))
+
+kv_cache_write = declare(OpSpec(
+    "kv_cache_write", "(Tensor(a0!) k_cache, Tensor(a1!) v_cache, Tensor k, Tensor v, Tensor positions) -> ()",
+    check=_check_kv, reference=_kv_cache_write_reference_checked, trace=_kv_cache_write_trace,
+    outputs=None, mutates=("k_cache", "v_cache"), tolerance="exact", device_arg=2, doc="""Write new keys/values into the static KV cache at their positions, in place.
+
+    Args:
+        k_cache, v_cache: ``[B, S, Hk, D]`` caches of one dtype, float32, float16 or bfloat16, or
+            q8_0 blocks ``uint8 [B, S, Hk, D/32*34]`` (:data:`KV_CACHE_DTYPES`); allocated once at
+            max context, never reallocated.
+        k, v: ``[B, T, Hk, D]`` new entries (f32/f16/bf16, one dtype, which may differ from the
+            caches'): each row is rounded to the cache's dtype (nearest even) or quantized to
+            q8_0 as ``hanzo_torch.quantize(row, "Q8_0")`` does.
+        positions: integer ``[B, T]`` slots to write, each in ``[0, S)``.
+
+    Raises:
+        ValueError: shape/dtype mismatch, or (on CPU) a position outside the cache.
+    """))
+
+qk_norm_rope_kv_write = declare(OpSpec(
+    "qk_norm_rope_kv_write",
+    "(Tensor q, Tensor k, Tensor v, Tensor? q_w, Tensor? k_w, Tensor(a5!) k_cache, Tensor(a6!) v_cache, "
+    "Tensor positions, float theta, float eps) -> Tensor",
+    check=lambda q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps: _check_qk_kv(
+        q, k, v, q_w, k_w, k_cache, v_cache, positions),
+    reference=_qk_norm_rope_kv_write_reference_checked, trace=_qk_norm_rope_kv_write_trace,
+    outputs=lambda q, *_: torch.empty_like(q), mutates=("k_cache", "v_cache"), doc=""":func:`qk_norm_rope` and :func:`kv_cache_write` of its rotated keys in one op (one kernel
+    launch where the backend has a fused kernel): the attention block's step between the q/k/v
+    projections and ``attention``.
+
+    Args:
+        q: ``[B, T, Hq, D]``; k, v: ``[B, T, Hk, D]`` (one float dtype: f32/f16/bf16).
+        q_w, k_w: ``[D]`` per-head RMSNorm weights of q and k, or both None (Qwen2: RoPE only).
+        k_cache, v_cache: ``[B, S, Hk, D]`` caches of one dtype (float32, float16, bfloat16) or
+            q8_0 blocks ``uint8 [B, S, Hk, D/32*34]`` (:data:`KV_CACHE_DTYPES`), written in place.
+        positions: integer ``[B, T]`` token positions (the RoPE angles and the cache slots), each
+            in ``[0, S)``; read on the device (no host sync).
+        theta: RoPE base (``rope.freq_base``).
+        eps: RMSNorm epsilon.
+
+    Returns:
+        The rotated q ``[B, T, Hq, D]`` in q's dtype. ``k_cache[b, positions[b, t]]`` receives the
+        normalized, rotated ``k[b, t]`` rounded to q's dtype and then converted to the cache's
+        type, ``v_cache`` receives ``v[b, t]``: the same bits as ``qk_norm_rope`` followed by
+        ``kv_cache_write``.
+
+    Raises:
+        ValueError: shape/dtype mismatch, or (on CPU) a position outside the cache.
+    """))
+
+attention = declare(OpSpec(
+    "attention", "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, str impl) -> Tensor",
+    check=lambda q, k_cache, v_cache, positions, scale, impl: _check_attention(q, k_cache, v_cache, positions, impl),
+    reference=_attention_reference_checked, trace=_attention_trace,
+    outputs=lambda q, *_: torch.empty_like(q), doc="""Causal, grouped-query attention of new queries against the KV cache.
 
     Args:
         q: ``[B, T, Hq, D]`` queries (already rotated).
@@ -568,79 +597,11 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, sc
 
     Raises:
         ValueError: shape/dtype mismatch, bad impl, or (on CPU) a position outside the cache.
-    """
-    return _dispatcher.default("attention", q.device.type, _attention_checked, q, k_cache, v_cache, positions, scale, impl)
-
-
-@attention.register_fake
-def _(q, k_cache, v_cache, positions, scale, impl):
-    _check_attention(q, k_cache, v_cache, positions, impl)
-    return torch.empty_like(q)
-
-
-# ----------------------------------------------------------------------------------------------
-# references as ops (torch.ops.hanzo_ref.<op>) and the argument checks by op name
-# ----------------------------------------------------------------------------------------------
-def _moe_route_checked(logits, k, normalize):
-    _check_moe_route(logits, k)
-    return moe_route_reference(logits, k, normalize)
-
-
-def _rms_norm_checked(x, w, eps):
-    _check_norm("rms_norm", x, w)
-    return rms_norm_reference(x, w, eps)
-
-
-def _add_rms_norm_checked(x, residual, w, eps):
-    _check_add_norm(x, residual, w)
-    return add_rms_norm_reference(x, residual, w, eps)
-
-
-def _qk_norm_rope_checked(q, k, q_w, k_w, positions, theta, eps):
-    _check_qk(q, k, q_w, k_w, positions)
-    return qk_norm_rope_reference(q, k, q_w, k_w, positions, theta, eps)
-
-
-def _swiglu_checked(gate, up):
-    _check_swiglu(gate, up)
-    return swiglu_reference(gate, up)
-
-
-def _qk_norm_rope_kv_write_checked(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps):
-    _check_qk_kv(q, k, v, q_w, k_w, k_cache, v_cache, positions)
-    _check_positions_in_range("qk_norm_rope_kv_write", positions, k_cache.shape[1])
-    return qk_norm_rope_kv_write_reference(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps)
-
-
-def _attention_checked(q, k_cache, v_cache, positions, scale, impl):
-    _check_attention(q, k_cache, v_cache, positions, impl)
-    _check_positions_in_range("attention", positions, k_cache.shape[1])
-    return attention_reference(q, k_cache, v_cache, positions, scale, impl)
-
-
-def _kv_cache_write_checked(k_cache, v_cache, k, v, positions):
-    _check_kv(k_cache, v_cache, k, v, positions)
-    _check_positions_in_range("kv_cache_write", positions, k_cache.shape[1])
-    kv_cache_write_reference(k_cache, v_cache, k, v, positions)
-
-
-for _name in ("moe_route", "rms_norm", "add_rms_norm", "qk_norm_rope", "swiglu", "kv_cache_write",
-              "qk_norm_rope_kv_write", "attention"):
-    _dispatcher.define_reference_op(_name, globals()[f"_{_name}_checked"])
-
-_CHECKS = {
-    "moe_route": lambda logits, k, normalize: _check_moe_route(logits, k),
-    "rms_norm": lambda x, w, eps: _check_norm("rms_norm", x, w),
-    "add_rms_norm": lambda x, residual, w, eps: _check_add_norm(x, residual, w),
-    "qk_norm_rope": lambda q, k, q_w, k_w, positions, theta, eps: _check_qk(q, k, q_w, k_w, positions),
-    "swiglu": lambda gate, up: _check_swiglu(gate, up),
-    "kv_cache_write": lambda k_cache, v_cache, k, v, positions: _check_kv(k_cache, v_cache, k, v, positions),
-    "qk_norm_rope_kv_write": lambda q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps: _check_qk_kv(
-        q, k, v, q_w, k_w, k_cache, v_cache, positions),
-    "attention": lambda q, k_cache, v_cache, positions, scale, impl: _check_attention(q, k_cache, v_cache, positions, impl),
-}
+    """))
 
 
 def check_args(op: str, *args) -> None:
     """Run ``op``'s argument checks (shapes and dtypes, as its fake kernel does); raises its ValueError."""
-    _CHECKS[op](*args)
+    from .spec import check_args as _check_args
+
+    _check_args(op, *args)

@@ -23,7 +23,8 @@ import torch
 
 from .. import formats as _formats
 from ..formats import Format, get_format
-from . import _dispatch
+from . import spec as _spec
+from .spec import OpSpec, compute_dtype, declare
 
 __all__ = [
     "OPS",
@@ -42,7 +43,7 @@ CHUNK_BYTES = 64 << 20
 """Most bytes of dequantized float32 weight a reference holds at once (64 MiB): bounds the
 memory of ``mul_mat`` on a 151936 x 1536 output matrix (933 MB as float32) to 16 chunks."""
 
-_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: reference only
 _Q8_1_BLOCK = 32  # values per ggml block_q8_1
 _Q8_1_BYTES = 36  # fp16 d, fp16 s = d * sum(qs), int8 qs[32]
 
@@ -72,7 +73,7 @@ def _check_packed(w: torch.Tensor, dim: int, op: str, what: str) -> None:
 
 def _check_act(x: torch.Tensor, op: str) -> None:
     if x.dtype not in _ACT_DTYPES:
-        raise ValueError(f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
+        raise ValueError(f"{op}: x must be float32, bfloat16 or float16 (float64: reference only), got {x.dtype}")
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least one dim")
 
@@ -182,14 +183,15 @@ def _rows_per_chunk(K: int) -> int:
 
 
 def _mm_packed(x2: torch.Tensor, w: torch.Tensor, fmt: Format, K: int) -> torch.Tensor:
-    """float32 ``x2 [M, K] @ dequant(w [N, rb])^T -> [M, N]``, dequantizing ``w`` in row chunks."""
+    """``x2 [M, K] @ dequant(w [N, rb])^T -> [M, N]`` in x2's dtype (float32 or float64), dequantizing
+    ``w`` in row chunks."""
     N = w.shape[0]
     step = _rows_per_chunk(K)
     if N <= step:
-        return x2 @ _dequant_rows(fmt, w, K).t()
+        return x2 @ _dequant_rows(fmt, w, K).to(x2.dtype).t()
     out = x2.new_empty(x2.shape[0], N)
     for n0 in range(0, N, step):
-        out[:, n0:n0 + step] = x2 @ _dequant_rows(fmt, w[n0:n0 + step], K).t()
+        out[:, n0:n0 + step] = x2 @ _dequant_rows(fmt, w[n0:n0 + step], K).to(x2.dtype).t()
     return out
 
 
@@ -197,7 +199,7 @@ def mul_mat_reference(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Ten
     """``y = x @ W^T`` with ``W`` packed in ggml format ``qtype``.
 
     Args:
-        x: ``[..., K]`` float32, bfloat16 or float16.
+        x: ``[..., K]`` float32, bfloat16 or float16 (float64: reference only, computed in float64).
         w: ``uint8 [N, row_bytes(K)]``, packed rows of ``W`` (logical ``[N, K]``), same device.
         qtype: ggml format name.
 
@@ -213,7 +215,7 @@ def mul_mat_reference(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Ten
     fmt = _check_mul_mat(x, w, qtype)
     _check_same_device("mul_mat", x, w)
     K, N = x.shape[-1], w.shape[0]
-    x2 = x.reshape(-1, K).to(torch.float32)
+    x2 = x.reshape(-1, K).to(compute_dtype(x))
     y = _mm_packed(x2, w, fmt, K)
     return y.reshape(*x.shape[:-1], N).to(x.dtype)
 
@@ -249,7 +251,7 @@ def mul_mat_id_reference(
     T, k = ids.shape
     K = x.shape[-1]
     flat = _check_ids_range(ids, E, "mul_mat_id", "expert")
-    xs = (x.unsqueeze(1).expand(T, k, K) if x.dim() == 2 else x).reshape(T * k, K).to(torch.float32)
+    xs = (x.unsqueeze(1).expand(T, k, K) if x.dim() == 2 else x).reshape(T * k, K).to(compute_dtype(x))
     if group_on_host is None:
         group_on_host = ids.device.type == "cpu"
     y = xs.new_zeros(T * k, N)
@@ -273,7 +275,7 @@ def mul_mat_id_reference(
             xp = xs[p0:p0 + sel_step].unsqueeze(-1)  # [P, K, 1]
             for n0 in range(0, N, row_step):
                 wp = w[:, n0:n0 + row_step].index_select(0, sel)  # [P, n, rb] packed, gathered on device
-                y[p0:p0 + sel_step, n0:n0 + row_step] = torch.bmm(_dequant_rows(fmt, wp, K), xp).squeeze(-1)
+                y[p0:p0 + sel_step, n0:n0 + row_step] = torch.bmm(_dequant_rows(fmt, wp, K).to(xp.dtype), xp).squeeze(-1)
     return y.reshape(T, k, N).to(x.dtype)
 
 
@@ -303,16 +305,7 @@ def get_rows_reference(w: torch.Tensor, ids: torch.Tensor, qtype: str, dtype: to
     return rows.reshape(*ids.shape, H).to(dtype)
 
 
-# ---------------------------------------------------------------------- the custom ops
-@torch.library.custom_op(
-    "hanzo::dequantize", mutates_args=(),
-    schema="(Tensor data, str qtype, SymInt[] shape, ScalarType dtype) -> Tensor",
-)
-def dequantize(data: torch.Tensor, qtype: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.ops.hanzo.dequantize``: see :func:`dequantize_reference`."""
-    return _dispatch.default("dequantize", data.device.type, dequantize_reference, data, qtype, shape, dtype)
-
-
+# ---------------------------------------------------------------------- argument checks by op
 def _check_dequantize_args(data, qtype, shape, dtype) -> None:
     fmt = get_format(qtype)
     if data.dtype != torch.uint8:
@@ -330,67 +323,22 @@ def _check_dequantize_args(data, qtype, shape, dtype) -> None:
         torch._check(have == want, lambda: msg)
 
 
-@dequantize.register_fake
-def _dequantize_fake(data, qtype, shape, dtype):
-    _check_dequantize_args(data, qtype, shape, dtype)
-    return data.new_empty(tuple(shape), dtype=dtype)
-
-
-@torch.library.custom_op("hanzo::quantize_q8_1", mutates_args=(), schema="(Tensor x) -> Tensor")
-def quantize_q8_1(x: torch.Tensor) -> torch.Tensor:
-    """``torch.ops.hanzo.quantize_q8_1``: see :func:`quantize_q8_1_reference`."""
-    return _dispatch.default("quantize_q8_1", x.device.type, _quantize_q8_1_checked, x)
-
-
-def _quantize_q8_1_checked(x: torch.Tensor) -> torch.Tensor:
-    _check_q8_1(x)
-    return quantize_q8_1_reference(x)
-
-
 def _check_q8_1(x: torch.Tensor) -> None:
     _check_act(x, "quantize_q8_1")
+    if x.dtype == torch.float64:
+        raise ValueError("quantize_q8_1: x must be float32, bfloat16 or float16, got torch.float64")
     if x.shape[-1] % _Q8_1_BLOCK != 0:
         raise ValueError(f"quantize_q8_1: K={x.shape[-1]} is not a multiple of {_Q8_1_BLOCK}")
 
 
-@quantize_q8_1.register_fake
-def _quantize_q8_1_fake(x):
-    _check_q8_1(x)
-    return x.new_empty(*x.shape[:-1], x.shape[-1] // _Q8_1_BLOCK * _Q8_1_BYTES, dtype=torch.uint8)
-
-
-@torch.library.custom_op("hanzo::mul_mat", mutates_args=(), schema="(Tensor x, Tensor w, str qtype) -> Tensor")
-def mul_mat(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
-    """``torch.ops.hanzo.mul_mat``: ``x [..., K] @ W^T -> [..., N]``, see :func:`mul_mat_reference`."""
-    return _dispatch.default("mul_mat", x.device.type, mul_mat_reference, x, w, qtype)
-
-
-@mul_mat.register_fake
-def _mul_mat_fake(x, w, qtype):
+def _check_mul_mat_args(x, w, qtype):
     _check_mul_mat(x, w, qtype)
-    return x.new_empty(*x.shape[:-1], w.shape[0])
+    _check_same_device("mul_mat", x, w)
 
 
-@torch.library.custom_op(
-    "hanzo::mul_mat_id", mutates_args=(), schema="(Tensor x, Tensor w, Tensor ids, str qtype) -> Tensor"
-)
-def mul_mat_id(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) -> torch.Tensor:
-    """``torch.ops.hanzo.mul_mat_id``: ``[T, k, N]`` rows of experts by id, see :func:`mul_mat_id_reference`."""
-    return _dispatch.default("mul_mat_id", x.device.type, mul_mat_id_reference, x, w, ids, qtype)
-
-
-@mul_mat_id.register_fake
-def _mul_mat_id_fake(x, w, ids, qtype):
+def _check_mul_mat_id_args(x, w, ids, qtype):
     _check_mul_mat_id(x, w, ids, qtype)
-    return x.new_empty(ids.shape[0], ids.shape[1], w.shape[1])
-
-
-@torch.library.custom_op(
-    "hanzo::get_rows", mutates_args=(), schema="(Tensor w, Tensor ids, str qtype, ScalarType dtype) -> Tensor"
-)
-def get_rows(w: torch.Tensor, ids: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.ops.hanzo.get_rows``: ``[..., H]`` dequantized rows ``ids``, see :func:`get_rows_reference`."""
-    return _dispatch.default("get_rows", w.device.type, get_rows_reference, w, ids, qtype, dtype)
+    _check_same_device("mul_mat_id", x, w, ids)
 
 
 def _check_get_rows(w, ids, qtype) -> int:
@@ -399,17 +347,62 @@ def _check_get_rows(w, ids, qtype) -> int:
     return _fmt_and_row_length(qtype, w.shape[1], "get_rows")[1]
 
 
-@get_rows.register_fake
-def _get_rows_fake(w, ids, qtype, dtype):
-    H = _check_get_rows(w, ids, qtype)
-    return w.new_empty(*ids.shape, H, dtype=dtype)
+def _check_get_rows_args(w, ids, qtype, dtype):
+    _check_get_rows(w, ids, qtype)
+    _check_same_device("get_rows", w, ids)
+
+
+# ---------------------------------------------------------------------- trace forms (torch.export)
+# Static shapes only: ids are clamped instead of range-checked (an exported program cannot raise)
+# and experts are gathered on the device instead of grouped on the host.
+def _row_length(w: torch.Tensor, qtype: str) -> int:
+    fmt = get_format(qtype)
+    return w.shape[-1] // fmt.type_size * fmt.block_size
+
+
+def _mul_mat_trace(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
+    fmt = get_format(qtype)
+    K, N = x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, K).to(compute_dtype(x))
+    step = _rows_per_chunk(K)
+    parts = [x2 @ _dequant_rows(fmt, w[n0:n0 + step], K).to(x2.dtype).t() for n0 in range(0, N, step)]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return y.reshape(*x.shape[:-1], N).to(x.dtype)
+
+
+def _mul_mat_id_trace(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, qtype: str) -> torch.Tensor:
+    fmt = get_format(qtype)
+    E, N = w.shape[0], w.shape[1]
+    T, k = ids.shape
+    K = x.shape[-1]
+    flat = ids.reshape(-1).to(torch.int64).clamp(0, E - 1)
+    xs = (x.unsqueeze(1).expand(T, k, K) if x.dim() == 2 else x).reshape(T * k, K).to(compute_dtype(x))
+    step = max(1, CHUNK_BYTES // (4 * N * K))
+    parts = []
+    for p0 in range(0, T * k, step):
+        wp = w.index_select(0, flat[p0:p0 + step])  # [P, N, rb] uint8
+        parts.append(torch.bmm(_dequant_rows(fmt, wp, K).to(xs.dtype), xs[p0:p0 + step].unsqueeze(-1)).squeeze(-1))
+    y = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return y.reshape(T, k, N).to(x.dtype)
+
+
+def _get_rows_trace(w: torch.Tensor, ids: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
+    H = _row_length(w, qtype)
+    flat = ids.reshape(-1).to(torch.int64).clamp(0, w.shape[0] - 1)
+    return _dequant_rows(get_format(qtype), w.index_select(0, flat), H).reshape(*ids.shape, H).to(dtype)
+
+
+def _dequantize_trace(data: torch.Tensor, qtype: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    shape = tuple(shape)
+    rows = _dequant_rows(get_format(qtype), data.reshape(-1, data.shape[-1]), shape[-1])
+    return rows.reshape(shape).to(dtype)
 
 
 # ---------------------------------------------------------------------- autograd (w.r.t. x only)
 # The packed weights are constants; gradients flow to the activations so that a model with
 # GGUFTensor weights can sit inside a trainable graph (adapters, prompt tuning). The backward
 # products dequantize the weight in chunks with hanzo::dequantize, so they trace under
-# torch.compile like the forward.
+# torch.compile like the forward. Faster than differentiating the reference (no recomputation).
 def _mul_mat_setup_context(ctx, inputs, output):
     x, w, qtype = inputs
     ctx.save_for_backward(w)
@@ -419,16 +412,14 @@ def _mul_mat_setup_context(ctx, inputs, output):
 def _mul_mat_backward(ctx, grad):
     (w,) = ctx.saved_tensors
     N, K = w.shape[0], ctx.K
-    g2 = grad.reshape(-1, N).to(torch.float32)
+    cd = torch.float64 if ctx.x_dtype == torch.float64 else torch.float32
+    g2 = grad.reshape(-1, N).to(cd)
     gx = g2.new_zeros(g2.shape[0], K)
     step = _rows_per_chunk(K)
     for n0 in range(0, N, step):
         wc = w[n0:n0 + step]
-        gx = gx + g2[:, n0:n0 + step] @ torch.ops.hanzo.dequantize(wc, ctx.qtype, [wc.shape[0], K], torch.float32)
+        gx = gx + g2[:, n0:n0 + step] @ torch.ops.hanzo.dequantize(wc, ctx.qtype, [wc.shape[0], K], cd)
     return gx.reshape(*grad.shape[:-1], K).to(ctx.x_dtype), None, None
-
-
-mul_mat.register_autograd(_mul_mat_backward, setup_context=_mul_mat_setup_context)
 
 
 def _mul_mat_id_setup_context(ctx, inputs, output):
@@ -442,14 +433,15 @@ def _mul_mat_id_backward(ctx, grad):
     E, N = w.shape[0], w.shape[1]
     T, k = ids.shape
     K = ctx.K
+    cd = torch.float64 if ctx.x_dtype == torch.float64 else torch.float32
     flat = ids.reshape(-1).to(torch.int64).clamp(0, max(E - 1, 0))  # range checked in the forward
-    g = grad.reshape(T * k, 1, N).to(torch.float32)
+    g = grad.reshape(T * k, 1, N).to(cd)
     step = max(1, CHUNK_BYTES // max(N * K * 4, 1))
     parts = []
     for p0 in range(0, T * k, step):
         sel = flat[p0:p0 + step]
         wp = w.index_select(0, sel)
-        wd = torch.ops.hanzo.dequantize(wp, ctx.qtype, [sel.shape[0], N, K], torch.float32)
+        wd = torch.ops.hanzo.dequantize(wp, ctx.qtype, [sel.shape[0], N, K], cd)
         parts.append(torch.bmm(g[p0:p0 + step], wd))
     gx = (torch.cat(parts) if parts else g.new_zeros(0, 1, K)).reshape(T, k, K)
     if ctx.x_dim == 2:
@@ -457,37 +449,35 @@ def _mul_mat_id_backward(ctx, grad):
     return gx.to(ctx.x_dtype), None, None, None
 
 
-mul_mat_id.register_autograd(_mul_mat_id_backward, setup_context=_mul_mat_id_setup_context)
+# ---------------------------------------------------------------------- the op table entries
+dequantize = declare(OpSpec(
+    "dequantize", "(Tensor data, str qtype, SymInt[] shape, ScalarType dtype) -> Tensor",
+    check=_check_dequantize_args, reference=dequantize_reference, trace=_dequantize_trace, tolerance="exact",
+    outputs=lambda data, qtype, shape, dtype: data.new_empty(tuple(shape), dtype=dtype)))
 
+quantize_q8_1 = declare(OpSpec(
+    "quantize_q8_1", "(Tensor x) -> Tensor", check=_check_q8_1, reference=quantize_q8_1_reference,
+    tolerance="same_bytes",
+    outputs=lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] // _Q8_1_BLOCK * _Q8_1_BYTES, dtype=torch.uint8)))
 
-# ---------------------------------------------------------------------- references as ops
-# torch.ops.hanzo_ref.<op>: each reference with the op's checks, callable by name from native
-# kernels (for calls their fast paths do not cover) and from tests.
-for _name, _fn in (("dequantize", dequantize_reference), ("quantize_q8_1", _quantize_q8_1_checked),
-                   ("mul_mat", mul_mat_reference), ("mul_mat_id", mul_mat_id_reference),
-                   ("get_rows", get_rows_reference)):
-    _dispatch.define_reference_op(_name, _fn)
+mul_mat = declare(OpSpec(
+    "mul_mat", "(Tensor x, Tensor w, str qtype) -> Tensor", check=_check_mul_mat_args,
+    reference=mul_mat_reference, trace=_mul_mat_trace, tolerance="contraction",
+    outputs=lambda x, w, qtype: x.new_empty(*x.shape[:-1], w.shape[0]),
+    backward=(_mul_mat_setup_context, _mul_mat_backward)))
+
+mul_mat_id = declare(OpSpec(
+    "mul_mat_id", "(Tensor x, Tensor w, Tensor ids, str qtype) -> Tensor", check=_check_mul_mat_id_args,
+    reference=mul_mat_id_reference, trace=_mul_mat_id_trace, tolerance="contraction",
+    outputs=lambda x, w, ids, qtype: x.new_empty(ids.shape[0], ids.shape[1], w.shape[1]),
+    backward=(_mul_mat_id_setup_context, _mul_mat_id_backward)))
+
+get_rows = declare(OpSpec(
+    "get_rows", "(Tensor w, Tensor ids, str qtype, ScalarType dtype) -> Tensor", check=_check_get_rows_args,
+    reference=get_rows_reference, trace=_get_rows_trace, tolerance="exact",
+    outputs=lambda w, ids, qtype, dtype: w.new_empty(*ids.shape, _check_get_rows(w, ids, qtype), dtype=dtype)))
 
 
 def check_args(op: str, *args) -> None:
     """Run ``op``'s argument checks (the ones its fake kernel and reference run); raises their errors."""
-    _CHECKS[op](*args)
-
-
-def _check_mul_mat_args(x, w, qtype):
-    _check_mul_mat(x, w, qtype)
-    _check_same_device("mul_mat", x, w)
-
-
-def _check_mul_mat_id_args(x, w, ids, qtype):
-    _check_mul_mat_id(x, w, ids, qtype)
-    _check_same_device("mul_mat_id", x, w, ids)
-
-
-def _check_get_rows_args(w, ids, qtype, dtype):
-    _check_get_rows(w, ids, qtype)
-    _check_same_device("get_rows", w, ids)
-
-
-_CHECKS = {"dequantize": _check_dequantize_args, "quantize_q8_1": _check_q8_1, "mul_mat": _check_mul_mat_args,
-           "mul_mat_id": _check_mul_mat_id_args, "get_rows": _check_get_rows_args}
+    _spec.check_args(op, *args)

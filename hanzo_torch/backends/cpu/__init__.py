@@ -83,7 +83,7 @@ _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
 _SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_sim.cpp", "fused.cpp")
 _HEADERS = ("hz_api.h", "ggml_blocks.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_gemm.h",
-            "kernels_gemm512.h", "threading.h")
+            "kernels_gemm512.h", "threading.h", "hz_ops.h")
 
 
 def _rule_table() -> tuple:

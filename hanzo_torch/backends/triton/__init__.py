@@ -61,7 +61,12 @@ def _format_args(op: str, args) -> tuple:
 
 def _fits(op: str, args) -> bool:
     """Calls the kernels were written for: attention and the KV write assume caches of the
-    activations' dtype (other cache dtypes, e.g. q8_0, run the reference)."""
+    activations' dtype (other cache dtypes, e.g. q8_0, run the reference). float64 tensors are
+    reference-only (hanzo_torch/ops/spec.py)."""
+    import torch
+
+    if any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args):
+        return False
     if op == "attention":
         return args[1].dtype == args[0].dtype
     if op == "kv_cache_write":
