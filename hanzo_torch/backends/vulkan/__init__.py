@@ -5,16 +5,25 @@ Importing this package is cheap and never fails. :func:`build` (called by :func:
 
 1. compiles every ``csrc/vulkan/shaders/*.comp`` with ``glslc --target-env=vulkan1.2 -O`` into
    ``<cache>/vk-<key>/spv-<hash>/<name>.spv``; a shader whose first line is ``// hz: per-format`` is
-   compiled once per format of the Vulkan rule table (the ``// hz: formats ...`` line at the top of
-   ``shaders/formats.glsl``) with ``-DHZ_FMT_<NAME>=1 -DHZ_FMT=<NAME>`` into ``<name>.<NAME>.spv``;
+   compiled once per format of the Vulkan rule table (:data:`.rules.RULES`, the formats with a
+   ``HZ_FMT_<NAME>`` rule in ``shaders/formats.glsl``) with ``-DHZ_FMT_<NAME>=1 -DHZ_FMT=<NAME>`` into ``<name>.<NAME>.spv``;
    a shader whose first line is ``// hz: variants a b ...`` is compiled once per variant with
    ``-DHZ_VARIANT_<v>=1`` into ``<name>.<v>.spv``; a shader that fails to compile is reported
    (:func:`status` ``shader_errors``), not fatal;
 2. builds the C++ extension (every ``csrc/vulkan/*.cpp``, linked with ``-lvulkan``) with
    ``torch.utils.cpp_extension.load``, cached like the CPU one (``~/.cache/hanzo-torch/ext``);
 3. starts the runtime (``ext.init(spv_dir)``: Vulkan 1.2+ instance, device, compute queue);
-4. names PrivateUse1 ``"vulkan"`` (``torch.utils.rename_privateuse1_backend``) and registers the
-   device module, so ``torch.empty(3, device="vulkan")`` and ``x.to("vulkan")`` work.
+4. names PrivateUse1 ``"vulkan"`` (:func:`claim_device`) and registers the device module, so
+   ``torch.empty(3, device="vulkan")`` and ``x.to("vulkan")`` work.
+
+Claiming the device: ``import hanzo_torch`` leaves PrivateUse1 alone (another extension may own
+it). Until :func:`claim_device` runs, torch parses ``"vulkan"`` as its own built-in (unsupported)
+Vulkan type; it runs on the first use of the backend: :func:`available`, :func:`status`,
+:func:`build`, ``hanzo_torch.load(device="vulkan")``, ``hanzo_torch.backends.prepare_device("vulkan")``
+and the CLI's ``--device vulkan``. Code that makes vulkan tensors itself calls
+``hanzo_torch.backends.vulkan.claim_device()`` (or :func:`available`) first. When another
+extension already renamed PrivateUse1, the backend is unavailable with that reason and nothing
+else changes.
 
 Device choice: ``HANZO_VK_DEVICE=<index>`` (an index of ``vkEnumeratePhysicalDevices``), else the
 first discrete GPU, else integrated, virtual, then CPU devices (Mesa's lavapipe). Without the
@@ -25,7 +34,7 @@ Memory and execution model: a vulkan tensor's ``data_ptr()`` is the buffer devic
 first element. Ops are asynchronous (recorded into one command buffer); a copy to the CPU,
 ``.item()`` or :func:`synchronize` submits and waits. ``torch.vulkan.VulkanGraph`` records work
 once and replays it with one submit (:mod:`.device_module`; the decode step of ``generate`` uses
-it unless ``HANZO_VK_GRAPH=0``). ``HANZO_VK_PROFILE=1`` (read at start) collects counters that
+it unless :data:`GRAPHS` is False: ``HANZO_VK_GRAPH=0``, read at import). ``HANZO_VK_PROFILE=1`` (read at start) collects counters that
 :func:`profile` returns and resets.
 
 Note: ``torch.Tensor.is_vulkan`` is torch's own property for its built-in (unrelated) Vulkan
@@ -45,8 +54,16 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from ..base import QUANT_OPS, Backend, Capture, ComputeDefaults
+
 NAME = "vulkan"
 DEVICE_TYPES = ("vulkan",)
+
+GRAPHS = os.environ.get("HANZO_VK_GRAPH", "1").strip() != "0"
+"""Whether decode steps capture and replay a :class:`~.device_module.VulkanGraph`
+(``HANZO_VK_GRAPH=0`` at import turns it off; assign in process for an A/B)."""
 
 __all__ = ["NAME", "DEVICE_TYPES", "claim_device", "build", "extension", "available", "status", "formats", "register",
            "synchronize", "profile", "profiling", "set_profiling", "memory_stats", "empty_cache", "features", "fallback_ops",
@@ -71,21 +88,14 @@ def _cache_root() -> Path:
 
 
 def rule_formats() -> tuple:
-    """The formats of the Vulkan rule table: the ``// hz: formats A B ...`` line(s) at the top of
-    ``shaders/formats.glsl``, in the registry, in file order (empty when the file is absent)."""
+    """The formats of the Vulkan rule table (:data:`.rules.RULES`) that the registry holds, in
+    that order (empty when installed without the shader sources)."""
     from ...formats import FORMATS
+    from .rules import RULES
 
-    path = _SHADER_DIR / "formats.glsl"
-    try:
-        text = path.read_text()
-    except OSError:
+    if not (_SHADER_DIR / "formats.glsl").is_file():
         return ()
-    names = []
-    for line in text.splitlines()[:20]:
-        m = re.match(r"\s*//\s*hz:\s*formats\s+(.*)$", line)
-        if m:
-            names += m.group(1).split()
-    return tuple(n for n in names if n in FORMATS)
+    return tuple(n for n in RULES if n in FORMATS)
 
 
 def _sources() -> list:
@@ -167,13 +177,14 @@ def _compile_shaders(out: Path, glslc: str) -> dict:
 
 def claim_device() -> bool:
     """Name torch's PrivateUse1 device "vulkan" and register :mod:`.device_module` as ``torch.vulkan``
-    (cheap: nothing is built). Done at ``import hanzo_torch``, so that ``torch.device("vulkan")``
-    means this device (otherwise torch parses it as its built-in, unsupported Vulkan type); the
-    first vulkan tensor then starts the backend (``torch.vulkan._lazy_init``). False when another
-    extension has already named PrivateUse1."""
+    (cheap: nothing is built), so that ``torch.device("vulkan")`` means this device (before it,
+    torch parses the name as its built-in, unsupported Vulkan type; a ``torch.device`` parsed then
+    keeps that type: parse it again). The first vulkan tensor then starts the backend
+    (``torch.vulkan._lazy_init``). Idempotent. False, changing nothing, when another extension has
+    already named PrivateUse1."""
     import torch
 
-    name = torch.device("privateuseone").type
+    name = _privateuse1_name()
     if name not in ("privateuseone", NAME):
         return False
     if name != NAME:
@@ -185,41 +196,23 @@ def claim_device() -> bool:
     return True
 
 
+def _privateuse1_name() -> str:
+    import torch
+
+    return torch.device("privateuseone").type
+
+
 def _register_device() -> None:
     """The device name and module, and the storage methods (once per process)."""
     import torch
 
     if not claim_device():
-        raise RuntimeError(f"the PrivateUse1 device is already named {torch.device('privateuseone').type!r} "
-                           "by another extension")
+        raise RuntimeError(f"the PrivateUse1 device is already named {_privateuse1_name()!r} by another extension")
     try:  # storage.vulkan() / storage.is_vulkan; the Tensor ones clash with torch's built-in Vulkan names
         torch.utils.generate_methods_for_privateuse1_backend(for_tensor=False, for_module=False,
                                                              for_packed_sequence=False, for_storage=True)
     except RuntimeError:
         pass  # already generated in this process
-
-
-_REFERENCE_SETTERS = ("fused_set_reference", "quant_set_reference")
-"""Ops ``hanzo_vulkan::<name>(str op, bool enabled) -> bool`` of csrc/vulkan/ops_*.cpp that take
-an op's reference mode (each file's kernels keep their own flags)."""
-
-
-def _mirror_reference_mode() -> None:
-    """Hand the ops' reference mode (:mod:`hanzo_torch.ops`) to the Vulkan kernels, now and on every change."""
-    import torch
-
-    from ...ops import _dispatch
-
-    ns = torch.ops.hanzo_vulkan
-    setters = [getattr(ns, n) for n in _REFERENCE_SETTERS if hasattr(ns, n)]
-
-    def apply(op: str, enabled: bool) -> None:
-        for fn in setters:
-            fn(op, enabled)
-
-    for op in _dispatch.reference_ops():
-        apply(op, True)
-    _dispatch.on_reference_change(apply)
 
 
 def build(verbose: bool = False):
@@ -237,8 +230,8 @@ def build(verbose: bool = False):
         import torch
 
         if not claim_device():
-            raise RuntimeError(f"the PrivateUse1 device is already named {torch.device('privateuseone').type!r} "
-                               "by another extension")
+            raise RuntimeError(f"the PrivateUse1 device is already named {_privateuse1_name()!r} by another "
+                               "extension")
         key = _build_key()
         build_dir = _cache_root() / f"vk-{key}"
         spv = build_dir / f"spv-{_shader_key()}"
@@ -284,7 +277,6 @@ def build(verbose: bool = False):
                                    "apt-get install libvulkan1 mesa-vulkan-drivers") from None
         ext.init(str(spv))
         _register_device()
-        _mirror_reference_mode()
         _spv_dir = spv
         _ext = ext
         _failed = None
@@ -408,3 +400,63 @@ def empty_cache() -> None:
 def fallback_ops() -> list:
     """The aten ops that ran on the CPU through the fallback in this process."""
     return list(_need().fallback_ops())
+
+
+class VulkanBackend(Backend):
+    """The contract of the Vulkan backend (:mod:`hanzo_torch.backends.base`)."""
+
+    name = NAME
+    device_types = DEVICE_TYPES
+    dispatch_key = "PrivateUse1"
+    defaults = ComputeDefaults(
+        torch.float32, None,
+        "float32 activations and KV: no GPU measurement shows bfloat16 paying here, it puts the logits of a "
+        "tiny qwen3 with F32 weights 1.5% (of the largest) from the CPU's float32 and flips greedy tokens at "
+        "near-ties, and llama.cpp's Vulkan backend keeps float32 activations too")
+
+    @property
+    def op_formats(self):
+        fmts = frozenset(rule_formats())
+        return {op: fmts for op in QUANT_OPS}
+
+    def reason(self) -> Optional[str]:
+        return reason()
+
+    def prepare_device(self, device):
+        if not claim_device():
+            raise RuntimeError(f"the vulkan device is unavailable: the PrivateUse1 device is already named "
+                               f"{_privateuse1_name()!r} by another extension")
+        return torch.device(str(device))  # parsed again: "vulkan" is PrivateUse1 from now on
+
+    def register(self) -> frozenset:
+        return register()
+
+    def status(self) -> dict:
+        return status()
+
+    def synchronize(self, device) -> None:
+        synchronize()
+
+    def graphs_supported(self, device) -> bool:
+        return GRAPHS and available()
+
+    def capture(self, device, fn, warmup: int) -> Capture:
+        from .device_module import VulkanGraph, graph
+
+        # one queue: the warm-up steps (pipelines created, lazily allocated buffers made) run in
+        # order before the capture
+        for _ in range(max(1, warmup)):
+            fn()
+        g = VulkanGraph()
+        with graph(g):
+            out = fn()
+        return Capture(g.replay, out)
+
+    def profiling(self) -> bool:
+        return profiling()
+
+    def profile(self) -> dict:
+        return profile()
+
+
+BACKEND = VulkanBackend()
