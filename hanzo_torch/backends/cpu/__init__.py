@@ -52,8 +52,6 @@ import contextlib
 import hashlib
 import math
 import os
-import sys
-import threading
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -62,6 +60,7 @@ import torch
 
 from ...formats import FORMATS as _REGISTRY
 from . import rules as _rules
+from .. import _build
 from ..base import Backend, ComputeDefaults
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
@@ -92,14 +91,8 @@ SUPPORTED_QTYPES = tuple(n for n in _rules.RULES if n in _REGISTRY) if _SRC_DIR.
 generated from, that the registry holds; empty when installed without the C++ sources); dense
 F32/F16/BF16 weights use torch GEMMs."""
 
-_lock = threading.Lock()
-_ext = None
-_failed: Optional[str] = None
-
-
-def _cache_root() -> Path:
-    # One cache root for the whole package (hub.py uses the same variable for models).
-    return Path(os.environ.get("HANZO_CACHE") or Path.home() / ".cache" / "hanzo-torch") / "ext"
+_slot = _build.Slot("the C++ CPU kernels", "the torch reference implementations will be used (slower).")
+"""The extension of this process (``_slot.ext``) or why it could not be built (``_slot.failed``)."""
 
 
 def _source_hash() -> str:
@@ -162,62 +155,25 @@ def build(verbose: bool = False):
     Raises:
         RuntimeError: the build failed (the message holds the compiler's reason).
     """
-    global _ext, _failed
-    with _lock:
-        if _ext is not None:
-            return _ext
-        from torch.utils.cpp_extension import load
-
+    with _slot.lock:
+        if _slot.ext is not None:
+            return _slot.ext
         key = _source_hash()
-        build_dir = _cache_root() / key
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not verbose and not any(build_dir.glob("*.so")):
-            print(f"hanzo-torch: compiling the C++ CPU kernels (once, about 1.5-4 minutes on 2 cores; cached in {build_dir})",
-                  file=sys.stderr, flush=True)
-        with warnings.catch_warnings():
-            # the extension replaces kv_cache_write's Python ADInplaceOrView kernel on purpose
-            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-            ext = _load_ext(load, key, build_dir, verbose)
+        build_dir = _build.cache_root() / key
+        _build.announce(build_dir, "the C++ CPU kernels", "about 1.5-4 minutes on 2 cores", verbose)
+        ext = _build.load_extension(build_dir, verbose, name=f"hanzo_cpu_{key}",
+                                    sources=[str(_SRC_DIR / s) for s in _SOURCES],
+                                    extra_cflags=["-O3", "-fopenmp", "-std=c++17"], extra_ldflags=["-fopenmp"])
         _check_layouts(ext)
         _install_grids(ext)
-        _ext = ext
-        _failed = None
+        _slot.ext, _slot.failed = ext, None
     _configure(ext)  # outside the lock: the ISA self-check calls extension()
     return ext
 
 
-def _load_ext(load, key, build_dir, verbose):
-    from .._build import build_lock
-
-    with build_lock(build_dir):
-        return load(
-            name=f"hanzo_cpu_{key}",
-            sources=[str(_SRC_DIR / s) for s in _SOURCES],
-            extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=verbose,
-        )
-
-
 def extension():
     """The compiled extension, building it on first use; None (after one warning) if it cannot be built."""
-    global _failed
-    if _ext is not None:
-        return _ext
-    if _failed is not None:
-        return None
-    try:
-        return build()
-    except Exception as e:  # no compiler, failed build, unsupported platform
-        _failed = f"{type(e).__name__}: {e}"
-        warnings.warn(
-            f"hanzo_torch: the C++ CPU kernels could not be built ({_failed.splitlines()[0][:300]}); "
-            "the torch reference implementations will be used (slower).",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
+    return _slot.get(build)
 
 
 def available() -> bool:
@@ -514,7 +470,7 @@ def status() -> dict:
     (builds the extension); ``isa_missing`` maps each instruction set not offered here to the reason."""
     ext = extension()
     if ext is None:
-        return {"available": False, "reason": _failed or "the C++ extension could not be built", "formats": ()}
+        return {"available": False, "reason": _slot.failed or "the C++ extension could not be built", "formats": ()}
     return {"available": True, "reason": None, "formats": formats(), "isa": ISA_NAMES[default_isa()],
             "isa_levels": isa_levels(), "isa_missing": _isa_missing(ext)}
 
@@ -529,7 +485,7 @@ def use_isa(isa: str):
     """
     ext = extension()
     if ext is None:
-        raise RuntimeError(f"the C++ CPU kernels are not available: {_failed}")
+        raise RuntimeError(f"the C++ CPU kernels are not available: {_slot.failed}")
     level = _isa(isa)
     if level not in ext.supported_isas():
         raise ValueError(f"{isa} is not offered here ({_isa_missing(ext).get(ISA_NAMES.get(level, ''), 'unknown level')}); "
@@ -544,7 +500,7 @@ def use_isa(isa: str):
 def _ext_or_raise():
     ext = extension()
     if ext is None:
-        raise RuntimeError(f"the C++ CPU kernels are not available: {_failed}")
+        raise RuntimeError(f"the C++ CPU kernels are not available: {_slot.failed}")
     return ext
 
 
@@ -636,7 +592,7 @@ class CpuBackend(Backend):
         return available()
 
     def reason(self) -> Optional[str]:
-        return None if extension() is not None else (_failed or "the C++ extension could not be built")
+        return None if extension() is not None else (_slot.failed or "the C++ extension could not be built")
 
     def device_reason(self, device) -> Optional[str]:
         return None  # CPU tensors need no kernels of ours (the references run without them)

@@ -48,7 +48,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -56,6 +55,7 @@ from typing import Optional
 
 import torch
 
+from .. import _build
 from ..base import QUANT_OPS, Backend, Capture, ComputeDefaults
 
 NAME = "vulkan"
@@ -76,15 +76,9 @@ _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "vulkan"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "vulkan"
 _SHADER_DIR = _SRC_DIR / "shaders"
 
-_lock = threading.RLock()
-_ext = None
-_failed: Optional[str] = None
+_slot = _build.Slot("the Vulkan backend")  # no warning on failure: status() says why
 _shader_errors: dict = {}
 _spv_dir: Optional[Path] = None
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("HANZO_CACHE") or Path.home() / ".cache" / "hanzo-torch") / "ext"
 
 
 def rule_formats() -> tuple:
@@ -223,17 +217,15 @@ def build(verbose: bool = False):
         RuntimeError: no glslc, no Vulkan loader or driver or device, a device lacking a required
             feature, or a failed C++ build (the message says which).
     """
-    global _ext, _failed, _spv_dir, _shader_errors
-    with _lock:
-        if _ext is not None:
-            return _ext
-        import torch
-
+    global _spv_dir, _shader_errors
+    with _slot.lock:
+        if _slot.ext is not None:
+            return _slot.ext
         if not claim_device():
             raise RuntimeError(f"the PrivateUse1 device is already named {_privateuse1_name()!r} by another "
                                "extension")
         key = _build_key()
-        build_dir = _cache_root() / f"vk-{key}"
+        build_dir = _build.cache_root() / f"vk-{key}"
         spv = build_dir / f"spv-{_shader_key()}"
         jobs = _shader_jobs(spv)
         if not all(dst.exists() for _, dst, _ in jobs):
@@ -247,55 +239,33 @@ def build(verbose: bool = False):
             if not any(build_dir.glob("*.so")):
                 raise RuntimeError("the Vulkan headers were not found (/usr/include/vulkan/vulkan.h); on "
                                    "Debian/Ubuntu: apt-get install libvulkan-dev")
-        build_dir.mkdir(parents=True, exist_ok=True)
-        fresh = not any(build_dir.glob("*.so"))
-        if fresh and not verbose:
-            print(f"hanzo-torch: compiling the Vulkan backend (once, a few minutes; cached in {build_dir})",
-                  file=sys.stderr, flush=True)
+        _build.announce(build_dir, "the Vulkan backend", "a few minutes", verbose)
         _shader_errors = _compile_shaders(spv, glslc) if glslc else {}
         for spv_name, err in _shader_errors.items():
             warnings.warn(f"hanzo_torch: the Vulkan shader {spv_name} failed to compile; ops that use it will "
                           f"raise:\n{err}", RuntimeWarning, stacklevel=2)
-        from torch.utils.cpp_extension import load
-
         include = []
         sdk = os.environ.get("VULKAN_SDK")
         if sdk:
             include.append(str(Path(sdk) / "include"))
         ldflags = ["-lvulkan"] + ([f"-L{Path(sdk) / 'lib'}"] if sdk else [])
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-            from .._build import build_lock
-
-            try:
-                with build_lock(build_dir):
-                    ext = load(name=f"hanzo_vulkan_{key}", sources=[str(s) for s in _sources()],
-                               extra_cflags=["-O2", "-std=c++17"], extra_ldflags=ldflags,
-                               extra_include_paths=include, build_directory=str(build_dir), verbose=verbose)
-            except ImportError as e:  # the .so built elsewhere but libvulkan.so.1 is missing here
-                raise RuntimeError(f"the Vulkan loader could not be loaded ({e}); on Debian/Ubuntu: "
-                                   "apt-get install libvulkan1 mesa-vulkan-drivers") from None
+        try:
+            ext = _build.load_extension(build_dir, verbose, name=f"hanzo_vulkan_{key}",
+                                        sources=[str(s) for s in _sources()], extra_cflags=["-O2", "-std=c++17"],
+                                        extra_ldflags=ldflags, extra_include_paths=include)
+        except ImportError as e:  # the .so built elsewhere but libvulkan.so.1 is missing here
+            raise RuntimeError(f"the Vulkan loader could not be loaded ({e}); on Debian/Ubuntu: "
+                               "apt-get install libvulkan1 mesa-vulkan-drivers") from None
         ext.init(str(spv))
         _register_device()
         _spv_dir = spv
-        _ext = ext
-        _failed = None
+        _slot.ext, _slot.failed = ext, None
         return ext
 
 
 def extension():
     """The started extension, building it on first use; None when the backend cannot run here."""
-    global _failed
-    if _ext is not None:
-        return _ext
-    if _failed is not None:
-        return None
-    try:
-        return build()
-    except Exception as e:  # missing loader / driver / device / glslc, failed build
-        _failed = f"{type(e).__name__}: {e}" if not isinstance(e, RuntimeError) else str(e)
-        _failed = _failed.strip().splitlines()[0][:500] if _failed.strip() else type(e).__name__
-        return None
+    return _slot.get(build)
 
 
 def available() -> bool:
@@ -305,7 +275,7 @@ def available() -> bool:
 
 def reason() -> Optional[str]:
     """Why the backend is unavailable (None when it is available)."""
-    return None if extension() is not None else _failed
+    return None if extension() is not None else _slot.failed
 
 
 def formats() -> tuple:
@@ -319,7 +289,7 @@ def features() -> dict:
     int8 dot product, bfloat16, memory). Raises RuntimeError when the backend is unavailable."""
     ext = extension()
     if ext is None:
-        raise RuntimeError(f"the vulkan backend is unavailable: {_failed}")
+        raise RuntimeError(f"the vulkan backend is unavailable: {_slot.failed}")
     return dict(ext.features())
 
 
@@ -327,7 +297,7 @@ def status() -> dict:
     """``{"available", "reason", "formats", ...}``: device details when available."""
     ext = extension()
     if ext is None:
-        return {"available": False, "reason": _failed or "unknown", "formats": ()}
+        return {"available": False, "reason": _slot.failed or "unknown", "formats": ()}
     f = ext.features()
     st = {"available": True, "reason": None, "formats": formats(),
           "device": f"{f['device_name']} ({f['device_type']}, Vulkan {f['api_version']}, {f['driver_name']})",
@@ -356,7 +326,7 @@ def spv_dir() -> Optional[Path]:
 def _need():
     ext = extension()
     if ext is None:
-        raise RuntimeError(f"the vulkan backend is unavailable: {_failed}")
+        raise RuntimeError(f"the vulkan backend is unavailable: {_slot.failed}")
     return ext
 
 
