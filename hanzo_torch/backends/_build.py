@@ -60,15 +60,25 @@ class Slot:
     the reason it could not be (``failed``, never retried).
 
     ``fallback``: the end of the one warning a failure gives (None: no warning; the backend's
-    status says why).
+    status says why). ``dispatch_key``: the key the extension's kernels register on when it loads
+    (``TORCH_LIBRARY_IMPL``); :meth:`loaded` puts the reference-mode redirect back in front of them.
     """
 
-    def __init__(self, what: str, fallback: Optional[str] = None):
+    def __init__(self, what: str, fallback: Optional[str] = None, dispatch_key: Optional[str] = None):
         self.what = what
         self.fallback = fallback
+        self.dispatch_key = dispatch_key
         self.ext: Any = None
         self.failed: Optional[str] = None
         self.lock = threading.RLock()
+
+    def loaded(self, ext: Any) -> None:
+        """Record the built extension (its kernels are registered now, whoever loaded it)."""
+        self.ext, self.failed = ext, None
+        if self.dispatch_key:
+            from ..ops import _dispatch
+
+            _dispatch.add_dispatch_key(self.dispatch_key)
 
     def get(self, build: Callable[[], Any]) -> Any:
         """The extension, calling ``build()`` on first use; None (after one warning if

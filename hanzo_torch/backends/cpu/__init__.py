@@ -91,7 +91,7 @@ SUPPORTED_QTYPES = tuple(n for n in _rules.RULES if n in _REGISTRY) if _SRC_DIR.
 generated from, that the registry holds; empty when installed without the C++ sources); dense
 F32/F16/BF16 weights use torch GEMMs."""
 
-_slot = _build.Slot("the C++ CPU kernels", "the torch reference implementations will be used (slower).")
+_slot = _build.Slot("the C++ CPU kernels", "the torch reference implementations will be used (slower).", "CPU")
 """The extension of this process (``_slot.ext``) or why it could not be built (``_slot.failed``)."""
 
 
@@ -166,7 +166,7 @@ def build(verbose: bool = False):
                                     extra_cflags=["-O3", "-fopenmp", "-std=c++17"], extra_ldflags=["-fopenmp"])
         _check_layouts(ext)
         _install_grids(ext)
-        _slot.ext, _slot.failed = ext, None
+        _slot.loaded(ext)
     _configure(ext)  # outside the lock: the ISA self-check calls extension()
     return ext
 

@@ -76,7 +76,7 @@ _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "vulkan"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "vulkan"
 _SHADER_DIR = _SRC_DIR / "shaders"
 
-_slot = _build.Slot("the Vulkan backend")  # no warning on failure: status() says why
+_slot = _build.Slot("the Vulkan backend", None, "PrivateUse1")  # no warning on failure: status() says why
 _shader_errors: dict = {}
 _spv_dir: Optional[Path] = None
 
@@ -259,7 +259,7 @@ def build(verbose: bool = False):
         ext.init(str(spv))
         _register_device()
         _spv_dir = spv
-        _slot.ext, _slot.failed = ext, None
+        _slot.loaded(ext)
         return ext
 
 
