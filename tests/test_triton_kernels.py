@@ -407,7 +407,10 @@ def _wrapped(tk):
     return {op: backend.wrap(op, fn, fmts) for op, fn in table.items()}
 
 
-def test_registered_kernel_routes_reference_mode(tk, monkeypatch):
+def test_registered_kernel_reads_no_reference_flag(tk, monkeypatch):
+    """The registered kernel launches whatever the reference mode: that mode is the dispatcher
+    redirect registered in front of it on the CUDA key (tests/test_backends_contract.py), never a
+    per-call check; the op's own checks run before the kernel."""
     calls = _count_launches(monkeypatch, tk.quant, "_matvec_grouped_kernel")
     mul_mat = _wrapped(tk)["mul_mat"]
     w = random_packed("Q6_K", (6, 256), seed=17)
@@ -417,7 +420,7 @@ def test_registered_kernel_routes_reference_mode(tk, monkeypatch):
     torch.testing.assert_close(y, ref_quant.mul_mat_reference(x, w, "Q6_K"), rtol=1e-5, atol=1e-5)
     with hanzo_torch.ops.use_reference("mul_mat"):
         mul_mat(x, w, "Q6_K")
-    assert len(calls) == 1  # the reference ran
+    assert len(calls) == 2
     with pytest.raises(ValueError, match="not a multiple"):
         mul_mat(torch.randn(1, 100), w, "Q6_K")  # the op's own checks run before the kernel
 
