@@ -168,7 +168,7 @@ def model_decode(table: Table, device: str, shape: dict, n_decode: int, workdir:
     import torch
 
     import hanzo_torch
-    from hanzo_torch.cuda_graphs import DecodeStep
+    from hanzo_torch.decode_graphs import DecodeStep
 
     t0 = time.monotonic()
     path = write_q4_k_m_file(os.path.join(workdir, "qwen3-8b-shape-q4_k_m.gguf"), shape)
@@ -245,7 +245,7 @@ def formats_bench(table: Table, device: str, formats, N: int, K: int, M_gemm: in
             for path in ("f32", "int8"):
                 if path == "int8" and not quant._group_len(qtype):
                     continue
-                os.environ["HANZO_TRITON_DECODE"] = path
+                quant.DECODE_OVERRIDE = path
                 try:
                     e = rel(quant.mul_mat(x1, w, qtype), ref1)
                     # int8: the q8_1 rounding of the activation, about 2^-8 relative per value
@@ -254,7 +254,7 @@ def formats_bench(table: Table, device: str, formats, N: int, K: int, M_gemm: in
                         continue
                     t = _median_time(lambda: quant.mul_mat(x1, w, qtype), reps=reps)
                 finally:
-                    os.environ.pop("HANZO_TRITON_DECODE", None)
+                    quant.DECODE_OVERRIDE = ""
                 speeds[path] = nbytes / t
                 table.add("matvec", f"{qtype} {path}", f"{nbytes / t / 1e9:.0f} GB/s",
                           f"{nbytes / t / bw:.2f} of copy, {t * 1e6:.1f} us, err {e:.1e}")

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 benchmarks/tp_check.py MODEL.gguf --cpu      # gloo, the same plumbing
 
 Each rank loads the file with ``tensor_parallel=True``; after a 16-token prompt it decodes
-``--steps`` greedy tokens through ``cuda_graphs.DecodeStep`` twice, eagerly and (on CUDA) under
+``--steps`` greedy tokens through ``decode_graphs.DecodeStep`` twice, eagerly and (on CUDA) under
 a captured graph (the NCCL collectives captured with the kernels), and rank 0 compares both with
 a single-process model of the same file on its own device. Prints one line per check
 (``ok``/``FAIL``) on rank 0; exit status 1 on a failure. ``benchmarks/gpu_check.py`` runs it
@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 def decode(model, device, steps: int, graph: bool):
     import torch
 
-    from hanzo_torch.cuda_graphs import DecodeStep
+    from hanzo_torch.decode_graphs import DecodeStep
 
     prompt = torch.arange(100, 116, device=device).unsqueeze(0)
     with torch.inference_mode():

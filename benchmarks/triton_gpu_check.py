@@ -11,7 +11,7 @@ Reports (GPU mode):
 - mat-vec (decode, M=1, bf16 activations) at N x K = 14336 x 4096 per format: packed weight
   bytes per second and the fraction of the copy bandwidth (a decode mat-vec at the memory
   roofline reaches 0.88-0.99 of it, ../shared/DESIGN.md section 5); for formats with a grouped
-  rule also the per-value-rule kernel (HANZO_TRITON_GROUPED=0) as an A/B in the same run;
+  rule also the per-value-rule kernel (quant.GROUPED = False) as an A/B in the same run;
   the GEMM column uses the grouped weight-tile unpack likewise (A/B by hand with that variable);
 - GEMM (prefill, M=512, bf16) per format: TFLOP/s and the ratio to torch's dense bf16 matmul
   of the same shape;
@@ -112,11 +112,11 @@ def bench_formats(formats, budget_s: float, N: int = 14336, K: int = 4096, M_gem
             okg = "FAIL" if not eg < 2e-2 else f"{eg:.1e}"
             ab = ""
             if quant._group_len(qtype):  # A/B: the same decode through the per-value rules
-                os.environ["HANZO_TRITON_GROUPED"] = "0"
+                quant.GROUPED = False
                 try:
                     te = _median_time(lambda: quant.mul_mat(x1, w, qtype), reps=reps)
                 finally:
-                    os.environ.pop("HANZO_TRITON_GROUPED", None)
+                    quant.GROUPED = True
                 ab = f"  (element rules: {nbytes / te / 1e9:.0f} GB/s)"
             lines.append(f"{qtype:8} {bpw:5.2f} {gbs / 1e9:11.0f} {gbs / bw:7.2f} {t1 * 1e6:8.1f} {ok1:>8} | "
                          f"{tf:9.1f} {tf / dense_tflops:8.2f} {okg:>8}{ab}")

@@ -10,7 +10,7 @@ Public API:
     backends:  :func:`hanzo_torch.backends.status`, :func:`hanzo_torch.backends.cpu.use_isa`
     convert:   :func:`convert` (Hugging Face safetensors checkpoint -> GGUF)
     models:    :func:`load`, :func:`generate`, :func:`stream_generate`, :class:`Tokenizer`, :func:`pull`,
-               :class:`hanzo_torch.cuda_graphs.DecodeStep`
+               :class:`hanzo_torch.decode_graphs.DecodeStep` (also as ``hanzo_torch.cuda_graphs``)
 """
 import os as _os
 import sys as _sys
@@ -36,6 +36,6 @@ from .tokenizer import Tokenizer  # noqa: F401
 from .generation import generate, stream_generate  # noqa: F401
 from .hub import pull  # noqa: F401
 from .convert_hf import convert  # noqa: F401,E402
-from . import cuda_graphs  # noqa: F401  (DecodeStep)
+from . import decode_graphs, cuda_graphs  # noqa: F401,E402  (DecodeStep; cuda_graphs: its earlier name)
 
 __version__ = "0.1.0"

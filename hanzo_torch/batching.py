@@ -244,7 +244,7 @@ class BatchEngine:
             with self.model.kv_slots(0, n):
                 step = self._steps.get(n)
                 if step is None:
-                    from .cuda_graphs import DecodeStep
+                    from .decode_graphs import DecodeStep
 
                     step = self._steps[n] = DecodeStep(self.model, n, self.device, self.cuda_graph, last_only=True)
                 step.input_ids.copy_(torch.tensor(ids, dtype=torch.long).view(n, 1))

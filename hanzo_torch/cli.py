@@ -228,19 +228,18 @@ def _model_path(arg: Optional[str], quiet: bool = False) -> Path:
 def _device_dtype(device: str, dtype: str):
     import torch
 
+    from . import backends
+
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = backends.auto_device()
     try:
         dev = torch.device(device)
+        dev = backends.prepare_device(dev)  # the vulkan backend claims its device type here
     except RuntimeError as exc:
         _die(f"bad --device {device!r}: {exc}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        _die("--device cuda requested but torch sees no CUDA/ROCm device")
-    if dev.type == "vulkan":
-        from .backends import vulkan
-
-        if not vulkan.available():
-            _die(f"--device vulkan requested but the vulkan backend is unavailable: {vulkan.reason()}")
+    why = backends.for_device(dev).device_reason(dev)
+    if why is not None:
+        _die(f"--device {dev.type} requested but {why}")
     return dev, (None if dtype == "auto" else getattr(torch, dtype))
 
 
@@ -270,18 +269,18 @@ def _init_tp(args, device):
     if tp != world:
         raise UsageError(f"--tp {tp} must equal the world size {world} (run it as torchrun --nproc-per-node {tp} "
                          f"-m hanzo_torch ...)")
-    if device.type == "vulkan":
-        raise UsageError("--tp runs on cpu or cuda devices (gloo or nccl), not vulkan")
+    from . import backends
+
+    backend = backends.for_device(device)
+    if backend.distributed is None:
+        raise UsageError(f"--tp runs on cpu or cuda devices (gloo or nccl), not {device.type}")
     import atexit
 
-    import torch
     import torch.distributed as dist
 
     from . import distributed
 
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
+    device = backend.rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     distributed.init_from_env(device)
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     if dist.get_rank() != 0:
@@ -396,25 +395,21 @@ def cmd_generate(args) -> int:
 
 
 def _vk_profile_start(device) -> bool:
-    """True (counters reset) when ``device`` is vulkan and ``HANZO_VK_PROFILE=1`` is set."""
-    if device.type != "vulkan":
-        return False
-    from .backends import vulkan
+    """True (counters reset) when the backend of ``device`` collects profile counters (vulkan with
+    ``HANZO_VK_PROFILE=1``)."""
+    from . import backends
 
-    if not vulkan.profiling():
+    b = backends.for_device(device)
+    if not b.profiling():
         return False
-    vulkan.synchronize()
-    vulkan.profile()
+    b.synchronize(device)
+    b.profile()
     return True
 
 
-def _vk_profile_report(tokens: int, what: str = "token", p: Optional[dict] = None) -> None:
-    """Print Vulkan profile counters per ``what`` (``tokens`` of them): ``p``, or the counters
-    since the last :func:`hanzo_torch.backends.vulkan.profile` call."""
-    from .backends import vulkan
-
-    if p is None:
-        p = vulkan.profile()
+def _vk_profile_report(tokens: int, what: str, p: dict) -> None:
+    """Print the Vulkan profile counters ``p`` (:func:`hanzo_torch.backends.vulkan.profile`) per
+    ``what`` (``tokens`` of them)."""
     n = max(1, tokens)
     _err(f"vulkan profile per {what}: {p['dispatches'] / n:.1f} dispatches, {p['barriers'] / n:.1f} barriers, "
          f"{p['copies'] / n:.1f} copies, {p['submits'] / n:.2f} submits; record {p['record_us'] / n:.0f} us, "
@@ -542,18 +537,15 @@ def cmd_inspect(args) -> int:
 
 
 def _sync(device) -> None:
-    import torch
+    from . import backends
 
-    if device.type == "vulkan":
-        from .backends import vulkan
-
-        vulkan.synchronize()
-    elif device.type != "cpu":
-        torch.accelerator.synchronize(device) if hasattr(torch, "accelerator") else torch.cuda.synchronize(device)
+    backends.for_device(device).synchronize(device)
 
 
 def cmd_bench(args) -> int:
     import torch
+
+    from . import backends
 
     tests = [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
     if not tests:
@@ -580,7 +572,7 @@ def cmd_bench(args) -> int:
         return time.perf_counter() - t0
 
     def run_tg(n: int) -> float:
-        from .cuda_graphs import DecodeStep
+        from .decode_graphs import DecodeStep
 
         tok = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
         if getattr(model, "cache_batch_size", 1) != 1:
@@ -622,7 +614,8 @@ def cmd_bench(args) -> int:
             profiling = _vk_profile_start(device)
             rates = [n / fn(n) for _ in range(args.repetitions)]
             if profiling:
-                _vk_profile_report(n * args.repetitions, "token" if kind == "tg" else f"prompt token ({kind}{n})")
+                _vk_profile_report(n * args.repetitions, "token" if kind == "tg" else f"prompt token ({kind}{n})",
+                                   backends.for_device(device).profile())
             med = statistics.median(rates)
             sd = statistics.stdev(rates) if len(rates) > 1 else 0.0
             row = [head, _fmt_bytes(size), _fmt_count(params), str(device), dtype, f"{kind}{n}",

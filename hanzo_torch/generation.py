@@ -10,7 +10,7 @@ that interface (and ``model.generate``).
 
 The prompt is prefilled in one forward; each new token is then fed alone with its position in a
 preallocated ``[1, 1]`` device tensor (written in place). On CUDA/HIP and vulkan the decode step
-is captured once into a graph and replayed per token (:mod:`hanzo_torch.cuda_graphs`; ``cuda_graph=False``
+is captured once into a graph and replayed per token (:mod:`hanzo_torch.decode_graphs`; ``cuda_graph=False``
 turns it off); the prefill always runs eagerly.
 Sampling runs on the CPU in float32 with its own ``torch.Generator``, so a seed gives the same
 tokens whatever the model's device, and the global RNG is untouched.
@@ -75,8 +75,8 @@ class GenerationStats:
     seed: Optional[int] = None
     cuda_graph: bool = False  # decode steps replayed a captured CUDA/HIP or Vulkan graph
     vulkan_profile: Optional[dict] = None
-    """On the vulkan device with profiling on (``HANZO_VK_PROFILE=1``): the counters of
-    :func:`hanzo_torch.backends.vulkan.profile` for the ``"prefill"`` (prompt forward and first
+    """On a device whose backend collects profile counters (vulkan with ``HANZO_VK_PROFILE=1``):
+    its counters (``Backend.profile``, :func:`hanzo_torch.backends.vulkan.profile`) for the ``"prefill"`` (prompt forward and first
     sample), the ``"first_decode"`` step (graph warm-up and capture included) and the
     ``"decode"`` steps after it (summed over ``decode_steps - 1`` steps); None otherwise."""
 
@@ -443,9 +443,9 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
         tokenizer: overrides ``model.tokenizer`` (needed for text prompts, text output and stop
             strings).
         skip_special_tokens: leave control tokens out of the text.
-        cuda_graph: on a CUDA/HIP or vulkan model, capture the decode step into a graph once
-            (per batch size and KV cache) and replay it for every token; ignored on other
-            devices (on vulkan, ``HANZO_VK_GRAPH=0`` in the environment also turns it off). If
+        cuda_graph: where the model's backend has graphs (CUDA/HIP, vulkan), capture the decode
+            step into a graph once (per batch size and KV cache) and replay it for every token;
+            ignored on other devices (on vulkan, ``HANZO_VK_GRAPH=0`` at import also turns it off). If
             the capture fails, a RuntimeWarning says why and decode runs eagerly.
 
         n_parallel: for a batch, the KV-cache slots decoded at once (default: one per prompt).
@@ -643,17 +643,17 @@ def _run(model, *args) -> Iterator[str]:
 
 
 def _vulkan_profiler(device: torch.device):
-    """``vulkan.profile`` (counters since the last call) when ``device`` is vulkan and profiling is on, else None."""
-    if device.type != "vulkan":
-        return None
-    from .backends import vulkan
+    """The profile counters of ``device``'s backend (``Backend.profile``: counters since the last
+    call) when it collects them (the vulkan one with ``HANZO_VK_PROFILE=1``), else None."""
+    from . import backends
 
-    return vulkan.profile if vulkan.profiling() else None
+    b = backends.for_device(device)
+    return b.profile if b.profiling() else None
 
 
 def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokenizer, ignore_eos, skip_special,
                   max_context, stats: GenerationStats, result_box: list, cuda_graph: bool = True) -> Iterator[str]:
-    from .cuda_graphs import DecodeStep
+    from .decode_graphs import DecodeStep
 
     device = _model_device(model)
     generator = torch.Generator(device="cpu").manual_seed(seed)

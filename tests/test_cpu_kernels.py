@@ -226,8 +226,8 @@ def test_build_failure_warns_once_and_runs_the_reference(ext, monkeypatch):
     def broken_build(verbose=False):
         raise RuntimeError("no C++ compiler found (simulated)")
 
-    monkeypatch.setattr(hcpu, "_ext", None)
-    monkeypatch.setattr(hcpu, "_failed", None)
+    monkeypatch.setattr(hcpu._slot, "ext", None)
+    monkeypatch.setattr(hcpu._slot, "failed", None)
     monkeypatch.setattr(hcpu, "build", broken_build)
     w = random_blocks("Q4_K", 3, 256, seed=9)
     x = torch.randn(2, 256)

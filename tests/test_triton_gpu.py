@@ -52,7 +52,7 @@ def tk():
 @pytest.fixture(autouse=True)
 def f32_decode(monkeypatch):
     """The float32 decode path unless a test asks for int8 (the tolerances below are float32's)."""
-    monkeypatch.setenv("HANZO_TRITON_DECODE", "f32")
+    monkeypatch.setattr("hanzo_torch.backends.triton.quant.DECODE_OVERRIDE", "f32")
 
 
 def _bits_equal(a, b) -> bool:
@@ -155,7 +155,7 @@ def test_int8_decode_bit_exact(tk, qtype, monkeypatch):
     (the kernel runs without FMA contraction; the reference does the same float32 steps)."""
     from hanzo_torch.backends.triton._testing import matvec_q8_1_reference, random_packed
 
-    monkeypatch.setenv("HANZO_TRITON_DECODE", "int8")
+    monkeypatch.setattr("hanzo_torch.backends.triton.quant.DECODE_OVERRIDE", "int8")
     N, K = 512, BIG
     w = random_packed(qtype, (N, K), seed=3).to(DEV)
     x = torch.randn(1, K, device=DEV)

@@ -11,6 +11,8 @@ where there is no Vulkan device.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -183,15 +185,31 @@ def test_moe_route(dtype):
 
 
 def test_reference_mode_and_errors():
-    """Reference mode reaches the Vulkan kernels (their own flags follow hanzo_torch.ops), and bad
-    arguments raise the reference's errors."""
+    """Reference mode reaches the Vulkan kernels (the redirect registered on PrivateUse1 in front
+    of them: the reference's torch ops run, not the one dispatch), and bad arguments raise the
+    reference's errors."""
+    from hanzo_torch.ops import _dispatch
+
     x, w = torch.randn(3, 64, generator=_g(14)), torch.randn(64, generator=_g(15))
     xv, wv = _vk(x, w)
-    assert "rms_norm" not in torch.ops.hanzo_vulkan.fused_reference_ops()
-    with hanzo_torch.ops.use_reference("rms_norm"):
-        assert torch.ops.hanzo_vulkan.fused_reference_ops() == ["rms_norm"]
-        y = ops.rms_norm(xv, wv, 1e-6)  # the reference, on vulkan tensors
-    assert torch.ops.hanzo_vulkan.fused_reference_ops() == []
+    ops.rms_norm(xv, wv, 1e-6)
+    assert "PrivateUse1" in _dispatch._KEYS
+    vulkan.synchronize()
+    vulkan.set_profiling(True)
+    try:
+        counts = []
+        for mode in (False, True, False):
+            vulkan.profile()
+            if mode:
+                with hanzo_torch.ops.use_reference("rms_norm"):
+                    y = ops.rms_norm(xv, wv, 1e-6)  # the reference, on vulkan tensors
+            else:
+                ops.rms_norm(xv, wv, 1e-6)
+            vulkan.synchronize()
+            counts.append(vulkan.profile()["dispatches"])
+    finally:
+        vulkan.set_profiling(os.environ.get("HANZO_VK_PROFILE", "") not in ("", "0"))
+    assert counts[0] == counts[2] == 1 and counts[1] > 1, counts
     assert y.device.type == DEV
     _close(y, ref.rms_norm(x, w, 1e-6), torch.float32, "rms_norm in reference mode")
     with pytest.raises(ValueError, match="w must be"):

@@ -402,9 +402,6 @@ template <class...> using hz_void_tt = void;
 template <class T, class = void> struct TableOf { static constexpr int value = -1; };
 template <class T> struct TableOf<T, hz_void_tt<decltype(T::TABLE)>> { static constexpr int value = T::TABLE; };
 
-// Every format with a CPU kernel, for the dispatch tables (X-macro: X(trait)). This list is the
-// CPU backend's rule table: the Python side reads the formats it supports from it (ext.formats()).
-#define HZ_FOR_EACH_FORMAT(X)                                                                       \
-    X(FQ4_0) X(FQ4_1) X(FQ5_0) X(FQ5_1) X(FQ8_0) X(FQ2_K) X(FQ3_K) X(FQ4_K) X(FQ5_K) X(FQ6_K)      \
-    X(FIQ2_XXS) X(FIQ2_XS) X(FIQ2_S) X(FIQ3_XXS) X(FIQ3_S) X(FIQ1_S) X(FIQ1_M) X(FIQ4_NL)         \
-    X(FIQ4_XS) X(FTQ1_0) X(FTQ2_0) X(FMXFP4) X(FQ1_0)
+// Every format with a CPU kernel, for the dispatch tables (X-macro HZ_FOR_EACH_FORMAT(X): X(trait)),
+// generated from the CPU backend's rule list (hanzo_torch/backends/cpu/rules.py).
+#include "format_list.h"

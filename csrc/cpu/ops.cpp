@@ -507,21 +507,20 @@ std::vector<std::vector<int64_t>> formats() {  // (type_id, block size, block by
 // torch.ops.hanzo_ref.<op> (vectorized torch, defined in hanzo_torch/ops), which also raises the
 // op's usual ValueError/IndexError for bad arguments. The fit tests below are what the C++ paths
 // need to be memory-safe, not a copy of the Python checks. Reference mode (HANZO_<OP>_FALLBACK=1,
-// hanzo_torch.ops.use_reference) and the instruction set are mirrored into atomics by the Python
-// side of the backend (hanzo_torch/backends/cpu): nothing here reads the environment.
+// hanzo_torch.ops.use_reference) never reaches these kernels: it registers the reference in front
+// of them on the CPU key (hanzo_torch/ops/_dispatch.py). The instruction set is mirrored into an
+// atomic by the Python side of the backend (hanzo_torch/backends/cpu): nothing here reads the environment.
 namespace dispatch {
 
 using namespace hz::ops;  // enum Op, N_OPS, kOpNames: generated from the op table (hz_ops.h)
-std::atomic<bool> g_reference[N_OPS];
 std::atomic<int64_t> g_isa{0}, g_mv_max{5};
 std::atomic<bool> g_configured{false};  // false until configure(): every call goes to the reference
 // ggml name -> type id of the formats with a C++ kernel, set once by configure() before g_configured.
 std::unordered_map<std::string, int64_t> g_qtypes;
 std::unordered_set<std::string> g_lacking;  // registered quantized formats without a C++ kernel
 
-bool use_ref(Op op) {
-    return !g_configured.load(std::memory_order_acquire) || g_reference[op].load(std::memory_order_relaxed);
-}
+// Before configure() every call goes to the reference (the op argument names the caller).
+bool use_ref(Op) { return !g_configured.load(std::memory_order_acquire); }
 
 template <class Sig>
 c10::TypedOperatorHandle<Sig> ref_op(const char* name) {
@@ -889,15 +888,6 @@ void set_isa(int64_t isa) {
     hz_active_isa.store(isa);
 }
 
-// Reference mode of one op (true: every call runs torch.ops.hanzo_ref.<op>).
-void set_reference(const std::string& name, bool enabled) {
-    for (int i = 0; i < N_OPS; ++i)
-        if (name == kOpNames[i]) {
-            g_reference[i].store(enabled);
-            return;
-        }
-}
-
 // The hanzo ops with a kernel on the CPU dispatch key (the TORCH_LIBRARY_IMPL block below).
 std::vector<std::string> native_ops() {
     std::vector<std::string> out;
@@ -966,7 +956,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "kernel, ISA level and "
           "mat-vec row limit of the registered kernels");
     m.def("set_isa", &dispatch::set_isa, "ISA level of the registered kernels: 0 scalar, 1 avx2, 2 avx512, 3 avx512-sim");
-    m.def("set_reference", &dispatch::set_reference, "reference mode of one hanzo op (its calls run hanzo_ref)");
     m.def("native_ops", &dispatch::native_ops, "the hanzo ops with a kernel on the CPU dispatch key");
     m.def("formats", &formats, "(ggml type id, block size, block bytes) of every format with a kernel");
 }

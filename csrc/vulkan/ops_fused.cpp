@@ -11,13 +11,13 @@
 //
 // As the CPU kernels do (csrc/cpu/ops.cpp), a kernel runs when the call fits it (vulkan
 // tensors of the dtypes and shapes its shader was written for: what it needs to be memory-safe,
-// not a copy of the Python checks) and hands every other call, and every call of an op in
-// reference mode, to torch.ops.hanzo_ref.<op>, which raises the op's ValueError for bad
+// not a copy of the Python checks) and hands every other call to torch.ops.hanzo_ref.<op>
+// (reference mode never reaches these kernels: hanzo_torch/ops/_dispatch.py registers the
+// reference in front of them on the PrivateUse1 key), which raises the op's ValueError for bad
 // arguments or computes the result. Positions stay on the device: kv_cache_write skips a
 // position outside [0, S); attention lets a position >= S see the whole cache and a negative one
 // nothing (zeros), as the Triton kernels do.
 #include "../cpu/hz_ops.h"
-#include "reference_mode.h"
 #include "runtime.h"
 
 #include <ATen/ATen.h>
@@ -41,14 +41,6 @@ namespace fused {
 using hz::ops::kOpNames;  // enum Op, N_OPS, kOpNames: generated from the op table (hz_ops.h)
 using hz::ops::N_OPS;
 using hz::ops::Op;
-ReferenceFlags<N_OPS> g_reference(kOpNames);
-
-// Reference mode of one op (true: its calls run torch.ops.hanzo_ref.<op>); false for a name
-// that is not one of these ops.
-bool set_reference(const std::string& op, bool enabled) { return g_reference.set(op, enabled); }
-
-// The ops whose kernels are in reference mode now.
-std::vector<std::string> reference_ops() { return g_reference.enabled(); }
 
 }  // namespace fused
 }  // namespace vk
@@ -57,8 +49,6 @@ std::vector<std::string> reference_ops() { return g_reference.enabled(); }
 namespace {
 
 using hz::vk::fused::Op;
-
-bool use_ref(Op op) { return hz::vk::fused::g_reference.on(op); }
 
 template <class Sig>
 c10::TypedOperatorHandle<Sig> ref_op(const char* name) {
@@ -131,7 +121,7 @@ using AddNormSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const a
 
 at::Tensor rms_norm_vk(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
     uint32_t dt, dt_w;
-    if (use_ref(Op::RMS_NORM) || !norm_ok(x_in, w_in, &dt, &dt_w)) {
+    if (!norm_ok(x_in, w_in, &dt, &dt_w)) {
         static auto ref = ref_op<NormSig>("hanzo_ref::rms_norm");
         return ref.call(x_in, w_in, eps);
     }
@@ -148,7 +138,7 @@ at::Tensor rms_norm_vk(const at::Tensor& x_in, const at::Tensor& w_in, double ep
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_vk(const at::Tensor& x_in, const at::Tensor& r_in,
                                                    const at::Tensor& w_in, double eps) {
     uint32_t dt, dt_w, dt_r;
-    if (use_ref(Op::ADD_RMS_NORM) || !norm_ok(x_in, w_in, &dt, &dt_w) || !act(r_in, &dt_r) || dt_r != dt ||
+    if (!norm_ok(x_in, w_in, &dt, &dt_w) || !act(r_in, &dt_r) || dt_r != dt ||
         r_in.sizes() != x_in.sizes()) {
         static auto ref = ref_op<AddNormSig>("hanzo_ref::add_rms_norm");
         return ref.call(x_in, r_in, w_in, eps);
@@ -173,7 +163,7 @@ struct SwigluPush {
 
 at::Tensor swiglu_vk(const at::Tensor& g_in, const at::Tensor& u_in) {
     uint32_t dt, dt_u;
-    if (use_ref(Op::SWIGLU) || !act(g_in, &dt) || !act(u_in, &dt_u) || dt_u != dt || g_in.sizes() != u_in.sizes() ||
+    if (!act(g_in, &dt) || !act(u_in, &dt_u) || dt_u != dt || g_in.sizes() != u_in.sizes() ||
         g_in.numel() >= kMaxIndex) {
         static auto ref = ref_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("hanzo_ref::swiglu");
         return ref.call(g_in, u_in);
@@ -221,7 +211,7 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_vk(const at::Tensor& q_in, const
                                                    const std::optional<at::Tensor>& kw_in, const at::Tensor& pos_in,
                                                    double theta, double eps) {
     uint32_t dt = 0, dt_k = 0, dt_w = 0, dt_kw = 0, pos32 = 0;
-    bool ok = !use_ref(Op::QK_NORM_ROPE) && q_in.dim() == 4 && k_in.dim() == 4 && act(q_in, &dt) && act(k_in, &dt_k) &&
+    bool ok = q_in.dim() == 4 && k_in.dim() == 4 && act(q_in, &dt) && act(k_in, &dt_k) &&
               dt_k == dt && q_in.numel() < kMaxIndex && k_in.numel() < kMaxIndex;
     if (ok) {
         const int64_t B = q_in.size(0), T = q_in.size(1), D = q_in.size(3);
@@ -268,7 +258,7 @@ using KvSig = void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor
 void kv_cache_write_vk(at::Tensor& kc, at::Tensor& vc, const at::Tensor& k_in, const at::Tensor& v_in,
                        const at::Tensor& pos_in) {
     uint32_t dt = 0, dt_v = 0, dt_c = 0, dt_vc = 0, pos32 = 0;
-    bool ok = !use_ref(Op::KV_CACHE_WRITE) && kc.dim() == 4 && k_in.dim() == 4 && kc.sizes() == vc.sizes() &&
+    bool ok = kc.dim() == 4 && k_in.dim() == 4 && kc.sizes() == vc.sizes() &&
               k_in.sizes() == v_in.sizes() && act(k_in, &dt) && act(v_in, &dt_v) && dt_v == dt &&
               kc.is_contiguous() && vc.is_contiguous() && k_in.numel() < kMaxIndex;
     if (ok) {
@@ -308,15 +298,14 @@ using QkKvSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tenso
                            double);
 
 // One dispatch of qk_norm_rope_kv_write.comp; a call that one of the two halves' kernels would
-// hand to its reference (or an op of the three in reference mode) runs the op's reference, and
+// hand to its reference runs the op's reference, and
 // rows longer than the shader's shared buffer run the two kernels.
 at::Tensor qk_norm_rope_kv_write_vk(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                     const std::optional<at::Tensor>& qw_in, const std::optional<at::Tensor>& kw_in,
                                     at::Tensor& kc, at::Tensor& vc, const at::Tensor& pos_in, double theta,
                                     double eps) {
     uint32_t dt = 0, dt_k = 0, dt_v = 0, dt_w = 0, dt_kw = 0, dt_c = 0, dt_vc = 0, pos32 = 0;
-    bool ok = !use_ref(Op::QK_NORM_ROPE_KV_WRITE) && !use_ref(Op::QK_NORM_ROPE) && !use_ref(Op::KV_CACHE_WRITE) &&
-              q_in.dim() == 4 && k_in.dim() == 4 && act(q_in, &dt) && act(k_in, &dt_k) && act(v_in, &dt_v) &&
+    bool ok = q_in.dim() == 4 && k_in.dim() == 4 && act(q_in, &dt) && act(k_in, &dt_k) && act(v_in, &dt_v) &&
               dt_k == dt && dt_v == dt && v_in.sizes() == k_in.sizes() && q_in.numel() < kMaxIndex &&
               k_in.numel() < kMaxIndex && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.is_contiguous() &&
               vc.is_contiguous();
@@ -410,7 +399,7 @@ constexpr uint32_t kAttnPrefillSharedBytes = 4 * (4096 + 2 * 1024 + 64 * 16 + 4 
 at::Tensor attention_vk(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos_in,
                         double scale, c10::string_view impl) {
     uint32_t dt = 0, dt_c = 0, dt_vc = 0, pos32 = 0;
-    bool ok = !use_ref(Op::ATTENTION) && (impl == "auto" || impl == "eager" || impl == "flash") && q_in.dim() == 4 &&
+    bool ok = (impl == "auto" || impl == "eager" || impl == "flash") && q_in.dim() == 4 &&
               act(q_in, &dt) && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.is_contiguous() && vc.is_contiguous() &&
               q_in.numel() < kMaxIndex;
     if (ok) {
@@ -472,7 +461,7 @@ using RouteRefSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, c10::S
 std::tuple<at::Tensor, at::Tensor> moe_route_vk(const at::Tensor& logits_in, c10::SymInt sym_k, bool normalize) {
     uint32_t dt = 0;
     const int64_t k = sym_k.guard_int(__FILE__, __LINE__);
-    if (use_ref(Op::MOE_ROUTE) || !act(logits_in, &dt) || logits_in.dim() != 2 || k < 1 || k > logits_in.size(1) ||
+    if (!act(logits_in, &dt) || logits_in.dim() != 2 || k < 1 || k > logits_in.size(1) ||
         logits_in.size(1) > 1024 || k > 256 || logits_in.numel() >= kMaxIndex) {
         static auto ref = ref_op<RouteRefSig>("hanzo_ref::moe_route");
         return ref.call(logits_in, sym_k, normalize);
@@ -488,15 +477,6 @@ std::tuple<at::Tensor, at::Tensor> moe_route_vk(const at::Tensor& logits_in, c10
 }
 
 }  // namespace
-
-// Reference mode of these ops, mirrored from hanzo_torch.ops (hanzo_torch/backends/vulkan calls
-// fused_set_reference for the ops in reference mode at start and on every change; it returns
-// true when `op` is one of these ops), and the ops in reference mode now.
-TORCH_LIBRARY_FRAGMENT(hanzo_vulkan, m) {
-    m.def("fused_set_reference(str op, bool enabled) -> bool",
-          [](c10::string_view op, bool enabled) { return hz::vk::fused::set_reference(std::string(op), enabled); });
-    m.def("fused_reference_ops() -> str[]", [] { return hz::vk::fused::reference_ops(); });
-}
 
 TORCH_LIBRARY_IMPL(hanzo, PrivateUse1, m) {
     m.impl("rms_norm", TORCH_FN(rms_norm_vk));

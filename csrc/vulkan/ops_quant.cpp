@@ -9,7 +9,8 @@
 // reference with one Python warning per format. The first call has the Python side
 // (hanzo_torch/backends/vulkan/quant.py) hand the rule table and the i-quant grids to
 // hanzo_vulkan::quant_configure; reference mode (hanzo_torch.ops.use_reference,
-// HANZO_<OP>_FALLBACK) is mirrored into atomics through hanzo_vulkan::quant_set_reference.
+// HANZO_<OP>_FALLBACK) never reaches these kernels (hanzo_torch/ops/_dispatch.py registers the
+// reference in front of them on the PrivateUse1 key).
 //
 // Shaders (csrc/vulkan/shaders, one SPIR-V per format: "<shader>.<FORMAT>"): dequantize (also
 // get_rows, rows by id), mul_mat_vec (up to kMatVecRows activation rows), mul_mat (tiled GEMM),
@@ -42,7 +43,6 @@
 #include <vector>
 
 #include "../cpu/hz_ops.h"
-#include "reference_mode.h"
 #include "runtime.h"
 
 namespace hz::vk::quant {
@@ -91,7 +91,6 @@ bool int8_for(c10::string_view qtype, int64_t K) {
   return false;
 }
 
-ReferenceFlags<N_OPS> g_reference(kOpNames);
 std::atomic<bool> g_configured{false};
 struct Fmt {
   int64_t qk, ts;
@@ -121,9 +120,10 @@ void ensure_configured() {
   }
 }
 
-bool use_ref(Op op) {
+// Until the rule table is configured every call goes to the reference (the op argument names the caller).
+bool use_ref(Op) {
   ensure_configured();
-  return !g_configured.load(std::memory_order_acquire) || g_reference.on(op);
+  return !g_configured.load(std::memory_order_acquire);
 }
 
 template <class Sig>
@@ -497,12 +497,6 @@ void configure(std::vector<std::string> names, std::vector<int64_t> qk, std::vec
   g_configured.store(true, std::memory_order_release);
 }
 
-// Reference mode of one op (true: its calls run torch.ops.hanzo_ref.<op>); false for a name that
-// is not one of these ops.
-bool set_reference(const std::string& name, bool enabled) { return g_reference.set(name, enabled); }
-
-std::vector<std::string> reference_ops() { return g_reference.enabled(); }
-
 // Set the int8 mode (0 off, 1 forced on, 2 where accelerated, -1 back to HANZO_VK_INT8); returns
 // the previous mode.
 int64_t set_int8(int64_t mode) {
@@ -533,14 +527,10 @@ std::vector<std::string> configured_formats() {
 }  // namespace hz::vk::quant
 
 // The Python side of the backend configures the kernels through these ops (no pybind coupling
-// with the runtime's module): the rule table (quant_configure, once), reference mode
-// (quant_set_reference, true when op is one of these ops), and what the kernels hold now.
+// with the runtime's module): the rule table (quant_configure, once) and what the kernels hold now.
 TORCH_LIBRARY_FRAGMENT(hanzo_vulkan, m) {
   m.def("quant_configure(str[] names, int[] qk, int[] ts, Tensor[] tables, str[] lacking) -> ()",
         &hz::vk::quant::configure);
-  m.def("quant_set_reference(str op, bool enabled) -> bool",
-        [](c10::string_view op, bool enabled) { return hz::vk::quant::set_reference(std::string(op), enabled); });
-  m.def("quant_reference_ops() -> str[]", [] { return hz::vk::quant::reference_ops(); });
   m.def("quant_formats() -> str[]", [] { return hz::vk::quant::configured_formats(); });
   m.def("quant_set_int8(int mode) -> int", &hz::vk::quant::set_int8);
   m.def("quant_int8_formats() -> str[]", [] { return hz::vk::quant::int8_formats(); });

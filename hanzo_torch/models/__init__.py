@@ -46,14 +46,15 @@ def load(
         path: the ``.gguf`` file.
         device: where the weights, activations and KV cache live (packed weights are copied
             there when it is not the CPU).
-        dtype: compute dtype of the activations: float32 (default on CPU), bfloat16 (default
-            elsewhere) or float16. Logits are float32 regardless.
+        dtype: compute dtype of the activations: float32, bfloat16 or float16; default: the
+            backend's (``hanzo_torch.backends.for_device(device).defaults``: float32 on CPU and
+            vulkan, bfloat16 on CUDA/ROCm and other devices). Logits are float32 regardless.
         max_context: KV cache length in tokens (default ``min(context_length, 4096)``); at most
             the file's ``context_length`` unless ``extend_context``.
         kv_dtype: KV cache element type, llama.cpp's names: ``"f32"``, ``"f16"``, ``"bf16"`` or
             ``"q8_0"`` (34-byte blocks of 32 values, an f16 scale and int8 codes), or a torch
-            float dtype. Default: ``"f16"`` on CPU (half the bytes of float32 that decode
-            attention reads per token), the compute ``dtype`` elsewhere. Attention converts
+            float dtype. Default: the backend's: ``"f16"`` on CPU (half the bytes of float32 that
+            decode attention reads per token), the compute ``dtype`` elsewhere. Attention converts
             cache rows to float32; scores, softmax and P*V are float32 whatever this is.
         extend_context: allow ``max_context`` above ``context_length`` (the model was not trained
             for such positions; the cache costs memory proportional to it).
@@ -83,25 +84,28 @@ def load(
             process group, or heads / block sizes that cannot be split over its ranks.
         TypeError: ``max_context``/``extend_context`` of the wrong type, ``dtype`` not a torch dtype.
         OSError: the file cannot be opened.
+        RuntimeError: the device's backend cannot claim it (``"vulkan"`` while another extension
+            owns PrivateUse1).
     """
     from ..gguf_file import GGUFError, GGUFFile
 
-    device = torch.device(device)
+    from .. import backends
+
+    device = backends.prepare_device(device)  # the vulkan backend claims its device type here
+    backend = backends.for_device(device)
     if dtype is None:
-        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        dtype = backend.defaults.activations
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    kv_name = _kv_dtype_name(kv_dtype, device, dtype)
+    kv_name = _kv_dtype_name(kv_dtype, backend, dtype)
     check_max_context(max_context, 2**63, extend_context)  # types and sign, before any work
     group = None
     if tensor_parallel is not False or tp_group is not None:
         from .. import distributed
 
         group = distributed.resolve_group(tensor_parallel, tp_group, device)
-    from .. import backends
-
     backends.check_environment()  # a malformed HANZO_CPU_ISA fails here, not as a warning at the first op
     f = GGUFFile(path, dtype=dtype)
     args = ModelArgs.from_gguf(f)  # validates the whole header before anything is built
@@ -150,7 +154,7 @@ def load(
     model.gguf = f
     model._tokenizer = tokenizer
     _check_first_logits(model, f.path)
-    if device.type == "cpu" and group is None:
+    if backend.host_memory and group is None:
         f.prefetch()  # embedding rows would otherwise be read from disk inside decode steps
     return model.eval()
 
@@ -181,12 +185,13 @@ def _check_first_logits(model: nn.Module, path: str) -> None:
 _KV_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
-def _kv_dtype_name(kv_dtype, device: torch.device, dtype: torch.dtype) -> str:
-    """``load``'s ``kv_dtype`` argument as a key of ``KV_CACHE_DTYPES``."""
+def _kv_dtype_name(kv_dtype, backend, dtype: torch.dtype) -> str:
+    """``load``'s ``kv_dtype`` argument as a key of ``KV_CACHE_DTYPES`` (None: the default of
+    ``backend``, a :class:`~hanzo_torch.backends.base.Backend`, else the activations' dtype)."""
     from ..ops.fused import KV_CACHE_DTYPES
 
     if kv_dtype is None:
-        return "f16" if device.type == "cpu" else _KV_NAMES[dtype]
+        return backend.defaults.kv or _KV_NAMES[dtype]
     if isinstance(kv_dtype, torch.dtype) and kv_dtype in _KV_NAMES:
         return _KV_NAMES[kv_dtype]
     if isinstance(kv_dtype, str) and kv_dtype in KV_CACHE_DTYPES:

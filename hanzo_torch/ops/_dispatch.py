@@ -16,26 +16,35 @@ lacks, or reference mode) to the reference through the dispatcher, and tests can
 by name.
 
 Reference mode: ``HANZO_<OP>_FALLBACK=1`` (read once, at import) or :func:`use_reference` (in
-process, for A/B runs) makes that op run its reference on every backend. Backends read the mode
-from :func:`reference_enabled` or subscribe to changes with :func:`on_reference_change`; nothing
-reads the environment per call.
+process, for A/B runs) makes that op run its reference on every backend. It is one mechanism,
+above the kernels: while an op is in reference mode, a ``torch.library.Library`` registers its
+reference on the dispatch key of every backend that registered kernels (``Backend.dispatch_key``),
+in front of them; leaving reference mode destroys that registration and the dispatcher goes back
+to the kernels. No kernel reads a flag, and an op out of reference mode costs nothing per call.
+An op that fuses others (:data:`PARTS`) also runs its reference while one of its parts is in
+reference mode. Nothing reads the environment per call.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-__all__ = ["use_reference", "set_reference", "reference_enabled", "reference_ops", "on_reference_change",
-           "define_reference_op", "default", "OPS"]
+__all__ = ["use_reference", "set_reference", "reference_enabled", "reference_ops", "redirected_ops",
+           "add_dispatch_key", "define_reference_op", "default", "OPS", "PARTS"]
 
 OPS: list[str] = []
 """Names of every ``hanzo`` op, in definition order (filled as the op modules are imported)."""
 
 _REFERENCE: set[str] = set()
-_LISTENERS: list[Callable[[str, bool], None]] = []
+_REFERENCES: dict[str, Callable] = {}  # op -> its checked reference (the body of hanzo_ref::<op>)
+_KEYS: set[str] = set()  # dispatch keys that hold native kernels (added as backends register)
+_redirect: Optional[torch.library.Library] = None  # the reference registered on _KEYS for redirected_ops()
+PARTS: dict[str, tuple] = {"qk_norm_rope_kv_write": ("qk_norm_rope", "kv_cache_write")}
+"""Ops whose kernels fuse other ops: in reference mode while any of their parts is."""
 _REF_LIB = torch.library.Library("hanzo_ref", "DEF")
 _ACTIVATED: dict[str, frozenset] = {}  # device type -> ops with a native kernel on its dispatch key
 
@@ -54,6 +63,7 @@ def define_reference_op(op: str, reference: Callable) -> None:
     schema = str(getattr(torch.ops.hanzo, op).default._schema)
     _REF_LIB.define(schema.split("::", 1)[1])
     _REF_LIB.impl(op, reference, "CompositeExplicitAutograd")
+    _REFERENCES[op] = reference
     OPS.append(op)
     if _env_flag(op):
         _REFERENCE.add(op)
@@ -69,9 +79,50 @@ def reference_ops() -> frozenset:
     return frozenset(_REFERENCE)
 
 
-def on_reference_change(fn: Callable[[str, bool], None]) -> None:
-    """Call ``fn(op, enabled)`` whenever an op enters or leaves reference mode (backends mirror it)."""
-    _LISTENERS.append(fn)
+def redirected_ops() -> frozenset:
+    """The ops whose calls the redirect sends to their reference: those in reference mode and
+    those with a part (:data:`PARTS`) in it."""
+    out = set(_REFERENCE)
+    for op, parts in PARTS.items():
+        if any(p in _REFERENCE for p in parts):
+            out.add(op)
+    return frozenset(o for o in out if o in _REFERENCES)
+
+
+def _apply_redirect() -> None:
+    """(Re)register the reference of :func:`redirected_ops` on every key of :data:`_KEYS`, newest
+    of the key's kernels, so the dispatcher calls it instead of a backend's kernel."""
+    global _redirect
+    if _redirect is not None:
+        _redirect._destroy()  # the dispatcher goes back to the kernels registered before it
+        _redirect = None
+    ops = redirected_ops()
+    if not ops or not _KEYS:
+        return
+    lib = torch.library.Library("hanzo", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # in front of the kernels, on purpose
+        for key in sorted(_KEYS):
+            for op in sorted(ops):
+                lib.impl(op, _REFERENCES[op], key)
+    _redirect = lib
+
+
+def add_dispatch_key(key: str) -> None:
+    """Called by :func:`hanzo_torch.backends.activate` after a backend registered kernels on
+    ``key``: the redirect is put (back) in front of them."""
+    _KEYS.add(key)
+    _apply_redirect()
+
+
+def _set(op: str, enabled: bool) -> bool:
+    """Put ``op`` in (or out of) the reference set; True when that changed it."""
+    if op not in OPS:
+        raise ValueError(f"unknown hanzo op {op!r}; ops: {', '.join(OPS)}")
+    if enabled == (op in _REFERENCE):
+        return False
+    (_REFERENCE.add if enabled else _REFERENCE.discard)(op)
+    return True
 
 
 def set_reference(op: str, enabled: bool = True) -> None:
@@ -80,13 +131,8 @@ def set_reference(op: str, enabled: bool = True) -> None:
     Raises:
         ValueError: ``op`` is not a ``hanzo`` op.
     """
-    if op not in OPS:
-        raise ValueError(f"unknown hanzo op {op!r}; ops: {', '.join(OPS)}")
-    if enabled == (op in _REFERENCE):
-        return
-    (_REFERENCE.add if enabled else _REFERENCE.discard)(op)
-    for fn in list(_LISTENERS):
-        fn(op, enabled)
+    if _set(op, enabled):
+        _apply_redirect()
 
 
 @contextlib.contextmanager
@@ -101,16 +147,22 @@ def use_reference(*ops: str, enabled: bool = True) -> Iterator[None]:
 
     ``enabled=False`` does the opposite (native kernels inside the block, even if the variable is
     set). The previous modes are restored on exit.
+
+    Raises:
+        ValueError: a name is not a ``hanzo`` op (nothing is changed then).
     """
     names: Iterable[str] = ops or tuple(OPS)
+    for op in names:
+        if op not in OPS:
+            raise ValueError(f"unknown hanzo op {op!r}; ops: {', '.join(OPS)}")
     before = {op: op in _REFERENCE for op in names}
-    for op in before:
-        set_reference(op, enabled)
+    if any([_set(op, enabled) for op in before]):
+        _apply_redirect()
     try:
         yield
     finally:
-        for op, was in before.items():
-            set_reference(op, was)
+        if any([_set(op, was) for op, was in before.items()]):
+            _apply_redirect()
 
 
 def default(op: str, device_type: str, reference: Callable, *args):

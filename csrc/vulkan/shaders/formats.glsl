@@ -1,7 +1,7 @@
-// hz: formats F32 F16 BF16 Q1_0 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M IQ4_NL IQ4_XS TQ1_0 TQ2_0 MXFP4 NVFP4
 // The format layer of the Vulkan shaders: one rule per ggml format, selected at compile time by
-// HZ_FMT_<NAME> (the build compiles each `// hz: per-format` shader once per format of the list
-// above; a shader without a format defines HZ_NO_FORMAT and gets the dtype functions only). A rule is
+// HZ_FMT_<NAME> (the build compiles each `// hz: per-format` shader once per format of the
+// backend's list, hanzo_torch/backends/vulkan/rules.py; a shader without a format defines
+// HZ_NO_FORMAT and gets the dtype functions only). A rule is
 //     float hz_elem(uint64_t blk, uint j)
 // the float32 value of in-block element j (0 <= j < HZ_QK) of the block at byte address blk, plus
 // the constants HZ_QK (values per block), HZ_TS (bytes per block) and HZ_GROUP_LEN (values per
@@ -430,7 +430,7 @@ float hz_elem(uint64_t b, uint j) {
 }
 
 #elif !defined(HZ_NO_FORMAT)
-#error "formats.glsl: compile with -DHZ_FMT_<NAME>=1 for one format of its `// hz: formats` line (or define HZ_NO_FORMAT)"
+#error "formats.glsl: compile with -DHZ_FMT_<NAME>=1 for one format of hanzo_torch/backends/vulkan/rules.py (or define HZ_NO_FORMAT)"
 #endif
 
 #ifndef HZ_NO_FORMAT

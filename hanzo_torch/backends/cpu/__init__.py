@@ -52,16 +52,16 @@ import contextlib
 import hashlib
 import math
 import os
-import re
-import sys
-import threading
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ...ops import _dispatch
+from ...formats import FORMATS as _REGISTRY
+from . import rules as _rules
+from .. import _build
+from ..base import Backend, ComputeDefaults
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build",
@@ -82,39 +82,17 @@ MV_MAX_ROWS = 5
 _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
 _SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_sim.cpp", "fused.cpp")
-_HEADERS = ("hz_api.h", "ggml_blocks.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_gemm.h",
-            "kernels_gemm512.h", "threading.h", "hz_ops.h")
+_HEADERS = ("hz_api.h", "ggml_blocks.h", "format_list.h", "formats.h", "kernels.h", "kernels_matvec.h",
+            "kernels_gemm.h", "kernels_gemm512.h", "threading.h", "hz_ops.h")
 
 
-def _rule_table() -> tuple:
-    """The formats of the C++ rule table (``HZ_FOR_EACH_FORMAT`` in csrc/cpu/formats.h: trait
-    ``F<NAME>`` per ggml format) that the registry holds, read from the source so that no build is
-    needed at import; the built extension's ``formats()`` is checked against it (:func:`_check_layouts`)."""
-    from ...formats import FORMATS
+SUPPORTED_QTYPES = tuple(n for n in _rules.RULES if n in _REGISTRY) if _SRC_DIR.is_dir() else ()
+"""The quantized formats with a C++ kernel (:data:`.rules.RULES`, the list csrc/cpu/format_list.h is
+generated from, that the registry holds; empty when installed without the C++ sources); dense
+F32/F16/BF16 weights use torch GEMMs."""
 
-    try:
-        text = (_SRC_DIR / "formats.h").read_text()
-    except OSError:  # installed without the C++ sources: no kernels
-        return ()
-    m = re.search(r"#define HZ_FOR_EACH_FORMAT\(X\)((?:[^\n]*\\\n)*[^\n]*)", text)
-    if m is None:
-        raise RuntimeError(f"{_SRC_DIR / 'formats.h'}: no HZ_FOR_EACH_FORMAT list")
-    names = re.findall(r"X\(F(\w+)\)", m.group(1))
-    return tuple(n for n in names if n in FORMATS)
-
-
-SUPPORTED_QTYPES = _rule_table()
-"""The quantized formats with a C++ kernel, from the C++ rule table (dense F32/F16/BF16 weights
-use torch GEMMs)."""
-
-_lock = threading.Lock()
-_ext = None
-_failed: Optional[str] = None
-
-
-def _cache_root() -> Path:
-    # One cache root for the whole package (hub.py uses the same variable for models).
-    return Path(os.environ.get("HANZO_CACHE") or Path.home() / ".cache" / "hanzo-torch") / "ext"
+_slot = _build.Slot("the C++ CPU kernels", "the torch reference implementations will be used (slower).", "CPU")
+"""The extension of this process (``_slot.ext``) or why it could not be built (``_slot.failed``)."""
 
 
 def _source_hash() -> str:
@@ -167,7 +145,8 @@ def _check_layouts(ext) -> None:
                                f"{(fmt.block_size, fmt.type_size)}")
         built[fmt.name] = tid
     if set(built) != set(SUPPORTED_QTYPES):
-        raise RuntimeError(f"csrc/cpu kernels cover {sorted(built)}, formats.h lists {sorted(SUPPORTED_QTYPES)}")
+        raise RuntimeError(f"csrc/cpu kernels cover {sorted(built)}, backends/cpu/rules.py lists {sorted(SUPPORTED_QTYPES)} "
+                           "(python -m hanzo_torch.backends.cpu.rules regenerates csrc/cpu/format_list.h)")
 
 
 def build(verbose: bool = False):
@@ -176,62 +155,25 @@ def build(verbose: bool = False):
     Raises:
         RuntimeError: the build failed (the message holds the compiler's reason).
     """
-    global _ext, _failed
-    with _lock:
-        if _ext is not None:
-            return _ext
-        from torch.utils.cpp_extension import load
-
+    with _slot.lock:
+        if _slot.ext is not None:
+            return _slot.ext
         key = _source_hash()
-        build_dir = _cache_root() / key
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not verbose and not any(build_dir.glob("*.so")):
-            print(f"hanzo-torch: compiling the C++ CPU kernels (once, about 1.5-4 minutes on 2 cores; cached in {build_dir})",
-                  file=sys.stderr, flush=True)
-        with warnings.catch_warnings():
-            # the extension replaces kv_cache_write's Python ADInplaceOrView kernel on purpose
-            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-            ext = _load_ext(load, key, build_dir, verbose)
+        build_dir = _build.cache_root() / key
+        _build.announce(build_dir, "the C++ CPU kernels", "about 1.5-4 minutes on 2 cores", verbose)
+        ext = _build.load_extension(build_dir, verbose, name=f"hanzo_cpu_{key}",
+                                    sources=[str(_SRC_DIR / s) for s in _SOURCES],
+                                    extra_cflags=["-O3", "-fopenmp", "-std=c++17"], extra_ldflags=["-fopenmp"])
         _check_layouts(ext)
         _install_grids(ext)
-        _ext = ext
-        _failed = None
+        _slot.loaded(ext)
     _configure(ext)  # outside the lock: the ISA self-check calls extension()
     return ext
 
 
-def _load_ext(load, key, build_dir, verbose):
-    from .._build import build_lock
-
-    with build_lock(build_dir):
-        return load(
-            name=f"hanzo_cpu_{key}",
-            sources=[str(_SRC_DIR / s) for s in _SOURCES],
-            extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=verbose,
-        )
-
-
 def extension():
     """The compiled extension, building it on first use; None (after one warning) if it cannot be built."""
-    global _failed
-    if _ext is not None:
-        return _ext
-    if _failed is not None:
-        return None
-    try:
-        return build()
-    except Exception as e:  # no compiler, failed build, unsupported platform
-        _failed = f"{type(e).__name__}: {e}"
-        warnings.warn(
-            f"hanzo_torch: the C++ CPU kernels could not be built ({_failed.splitlines()[0][:300]}); "
-            "the torch reference implementations will be used (slower).",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
+    return _slot.get(build)
 
 
 def available() -> bool:
@@ -461,7 +403,8 @@ DEVICE_TYPES = ("cpu",)
 
 
 def _configure(ext) -> None:
-    """Hand the format table, ISA and reference modes to the kernels registered on the CPU key."""
+    """Hand the format table and ISA to the kernels registered on the CPU key (reference mode is
+    the redirect of :mod:`hanzo_torch.ops._dispatch`, registered in front of them)."""
     from ...formats import FORMATS
 
     ids = {tid for tid, _, _ in ext.formats()}
@@ -483,14 +426,6 @@ def _configure(ext) -> None:
     except ValueError as e:
         warnings.warn(f"hanzo_torch: {e}; the 512-bit mat-vec stays on", RuntimeWarning, stacklevel=2)
         ext.set_matvec512(True)
-    for op in _dispatch.reference_ops():
-        ext.set_reference(op, True)
-    if not _configured:
-        _configured.append(True)
-        _dispatch.on_reference_change(lambda op, on: ext.set_reference(op, on))
-
-
-_configured: list = []
 
 
 def formats() -> tuple[str, ...]:
@@ -535,7 +470,7 @@ def status() -> dict:
     (builds the extension); ``isa_missing`` maps each instruction set not offered here to the reason."""
     ext = extension()
     if ext is None:
-        return {"available": False, "reason": _failed or "the C++ extension could not be built", "formats": ()}
+        return {"available": False, "reason": _slot.failed or "the C++ extension could not be built", "formats": ()}
     return {"available": True, "reason": None, "formats": formats(), "isa": ISA_NAMES[default_isa()],
             "isa_levels": isa_levels(), "isa_missing": _isa_missing(ext)}
 
@@ -550,7 +485,7 @@ def use_isa(isa: str):
     """
     ext = extension()
     if ext is None:
-        raise RuntimeError(f"the C++ CPU kernels are not available: {_failed}")
+        raise RuntimeError(f"the C++ CPU kernels are not available: {_slot.failed}")
     level = _isa(isa)
     if level not in ext.supported_isas():
         raise ValueError(f"{isa} is not offered here ({_isa_missing(ext).get(ISA_NAMES.get(level, ''), 'unknown level')}); "
@@ -565,7 +500,7 @@ def use_isa(isa: str):
 def _ext_or_raise():
     ext = extension()
     if ext is None:
-        raise RuntimeError(f"the C++ CPU kernels are not available: {_failed}")
+        raise RuntimeError(f"the C++ CPU kernels are not available: {_slot.failed}")
     return ext
 
 
@@ -634,3 +569,42 @@ def thread_stats() -> dict:
         RuntimeError: the extension cannot be built.
     """
     return dict(_ext_or_raise().thread_stats())
+
+
+class CpuBackend(Backend):
+    """The contract of the C++ CPU kernels (:mod:`hanzo_torch.backends.base`)."""
+
+    name = NAME
+    device_types = DEVICE_TYPES
+    dispatch_key = "CPU"
+    op_formats = {op: frozenset(SUPPORTED_QTYPES) for op in ("dequantize", "get_rows", "mul_mat", "mul_mat_id",
+                                                             "swiglu_mul_mat")}
+    defaults = ComputeDefaults(
+        torch.float32, "f16",
+        "float32 activations: the kernels quantize them to int8 blocks per op and compute in float32, so "
+        "bf16 saves no arithmetic and costs accuracy; an f16 KV cache halves the attention's bytes read "
+        "(llama.cpp's CPU default too)")
+    auto_priority = 0
+    distributed = "gloo"
+    host_memory = True
+
+    def available(self) -> bool:
+        return available()
+
+    def reason(self) -> Optional[str]:
+        return None if extension() is not None else (_slot.failed or "the C++ extension could not be built")
+
+    def device_reason(self, device) -> Optional[str]:
+        return None  # CPU tensors need no kernels of ours (the references run without them)
+
+    def check_environment(self) -> None:
+        check_environment()
+
+    def register(self) -> frozenset:
+        return register()
+
+    def status(self) -> dict:
+        return status()
+
+
+BACKEND = CpuBackend()

@@ -9,13 +9,15 @@ format through :mod:`.formats` (one unpack rule per format, selected by a ``tl.c
 Importing this package never fails: without triton or without a CUDA/HIP device
 :func:`register` registers nothing (``REASON`` says why) and the vectorized-torch references run.
 ROCm tensors report device type ``"cuda"`` too, so one registration covers both. Reference mode
-(``HANZO_<OP>_FALLBACK=1``, :func:`hanzo_torch.ops.use_reference`) still selects the reference
-per op. Tests call the kernels directly on CPU tensors under ``TRITON_INTERPRET=1``
+(``HANZO_<OP>_FALLBACK=1``, :func:`hanzo_torch.ops.use_reference`) is the redirect of
+:mod:`hanzo_torch.ops._dispatch`, registered in front of these kernels on the CUDA key. Tests call the kernels directly on CPU tensors under ``TRITON_INTERPRET=1``
 (:func:`kernels`).
 """
 from __future__ import annotations
 
 from typing import Optional
+
+from ..base import Backend, Capture
 
 AVAILABLE = False
 REASON: Optional[str] = None
@@ -74,24 +76,18 @@ def _fits(op: str, args) -> bool:
     return True
 
 
-_PARTS = {"qk_norm_rope_kv_write": ("qk_norm_rope", "kv_cache_write")}
-"""Ops that compose others: one of the parts in reference mode runs the whole op's reference."""
-
-
 def wrap(op: str, fn, fmts: frozenset):
-    """``fn`` as a dispatcher kernel: reference mode and formats without a rule go to
-    ``torch.ops.hanzo_ref.<op>`` (one warning per format); otherwise the op's checks, then ``fn``."""
+    """``fn`` as a dispatcher kernel: calls it was not written for and formats without a rule go
+    to ``torch.ops.hanzo_ref.<op>`` (one warning per format); otherwise the op's checks, then ``fn``."""
     import torch
 
     from ... import ops
-    from ...ops import _dispatch
 
     ref = getattr(torch.ops.hanzo_ref, op)
     warned: set = set()
 
     def kernel(*args):
-        parts_ref = any(_dispatch.reference_enabled(p) for p in _PARTS.get(op, ()))
-        if _dispatch.reference_enabled(op) or parts_ref or not _fits(op, args):
+        if not _fits(op, args):
             return ref(*args)
         for q in _format_args(op, args):
             if q.upper() not in fmts:
@@ -151,3 +147,79 @@ def _probe() -> None:
 
 
 _probe()
+
+
+class TritonBackend(Backend):
+    """The contract of the Triton kernels and of the CUDA/HIP device they run on (graphs are
+    torch's CUDA graphs, which need no Triton)."""
+
+    name = NAME
+    device_types = DEVICE_TYPES
+    dispatch_key = "CUDA"
+    distributed = "nccl"
+
+    @property
+    def op_formats(self):
+        fmts = frozenset(supported_formats()) if REASON is None else frozenset()
+        return {op: fmts for op in QUANT_OPS + ("swiglu_mul_mat",)}
+
+    @property
+    def auto_priority(self):
+        import torch
+
+        return 1 if torch.cuda.is_available() else None
+
+    def reason(self) -> Optional[str]:
+        return REASON
+
+    def device_reason(self, device) -> Optional[str]:
+        import torch
+
+        return None if torch.cuda.is_available() else "torch sees no CUDA/ROCm device"
+
+    def rank_device(self, device, local_rank: int):
+        import torch
+
+        if device.index is None:
+            device = torch.device(device.type, local_rank)
+            torch.cuda.set_device(device)
+        return device
+
+    def register(self) -> frozenset:
+        return register()
+
+    def status(self) -> dict:
+        return status()
+
+    def synchronize(self, device) -> None:
+        import torch
+
+        torch.cuda.synchronize(device)
+
+    def graphs_supported(self, device) -> bool:
+        import torch
+
+        return torch.cuda.is_available() and hasattr(torch.cuda, "CUDAGraph")
+
+    def capture(self, device, fn, warmup: int) -> Capture:
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the default stream, as torch's graph docs do it
+                for _ in range(max(1, warmup)):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                out = fn()
+
+        def replay() -> None:
+            with torch.cuda.device(device):
+                graph.replay()
+
+        return Capture(replay, out)
+
+
+BACKEND = TritonBackend()

@@ -733,10 +733,15 @@ def group_code(b, j, m, tab, aux, FMT: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------
-# The rule table: every function ``_unpack_<name>`` above is the element rule of ggml format
-# <NAME> (its grouped rule is its arm of group_params / group_code).
+# The rule table, as data: the element rule of ggml format <NAME> is ``_unpack_<name>`` above
+# (its grouped rule is its arm of group_params / group_code); tests/test_backends_contract.py
+# checks that the two agree.
 
-_RULE_NAMES = tuple(n[len("_unpack_"):].upper() for n in list(globals()) if n.startswith("_unpack_"))
+RULE_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "TQ1_0", "TQ2_0",
+              "MXFP4", "NVFP4", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
+              "IQ1_M", "F32", "F16", "BF16", "Q1_0")
+"""ggml names of the formats with a Triton unpack rule."""
+_RULE_NAMES = RULE_NAMES
 
 SUPPORTED: dict[str, int] = {n: FORMATS[n].type_id for n in FORMATS if n in _RULE_NAMES}
 """The formats the unpack rules cover that the registry holds: ggml name -> ggml type id."""

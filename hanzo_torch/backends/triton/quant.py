@@ -381,10 +381,18 @@ GROUPED_BN, GROUPED_BK = 8, 256
 """Tile of the grouped decode mat-vec: 8 weight rows x 256 columns (2048 values, 8 per thread)."""
 
 
+GROUPED = os.environ.get("HANZO_TRITON_GROUPED", "1") != "0"
+"""Whether the decode mat-vec uses the grouped rules where a format has one (False: the element
+rules, an A/B of the two paths). ``HANZO_TRITON_GROUPED=0`` at import; assign in process."""
+
+DECODE_OVERRIDE = os.environ.get("HANZO_TRITON_DECODE", "")
+"""``"int8"`` or ``"f32"``: every decode mat-vec takes that path instead of :data:`DECODE_PATH`'s
+(an A/B); ``""``: the table. ``HANZO_TRITON_DECODE`` at import; assign in process."""
+
+
 def _group_len(qtype: str) -> int:
-    # values per scale group when the format has a grouped rule (else 0: element rules);
-    # HANZO_TRITON_GROUPED=0 forces the element-rule mat-vec (A/B of the two paths)
-    if os.environ.get("HANZO_TRITON_GROUPED", "1") == "0":
+    # values per scale group when the format has a grouped rule (else 0: element rules)
+    if not GROUPED:
         return 0
     return GROUP_LEN.get(_name(qtype), 0)
 
@@ -394,7 +402,7 @@ def _group_len(qtype: str) -> int:
 # float kernel on the activation as given. Not yet measured on a GPU: the i-quants start on int8
 # (their decode is compute-bound on the codebook decode, DESIGN section 5), the bandwidth-bound
 # formats on f32. benchmarks/gpu_check.py measures both paths per format and prints which is
-# faster; this table is the one place to change. HANZO_TRITON_DECODE=int8|f32 overrides it (A/B).
+# faster; this table is the one place to change. :data:`DECODE_OVERRIDE` (HANZO_TRITON_DECODE=int8|f32) overrides it (A/B).
 DECODE_PATH: dict[str, str] = {
     **{n: "f32" for n in GROUP_LEN},
     **{n: "int8" for n in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
@@ -410,7 +418,7 @@ def _decode_int8(qtype: str) -> bool:
     name = _name(qtype)
     if not _group_len(qtype):
         return False
-    force = os.environ.get("HANZO_TRITON_DECODE", "")
+    force = DECODE_OVERRIDE
     if force in ("int8", "f32"):
         return force == "int8"
     return DECODE_PATH.get(name, "f32") == "int8"

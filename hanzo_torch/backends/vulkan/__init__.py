@@ -5,16 +5,25 @@ Importing this package is cheap and never fails. :func:`build` (called by :func:
 
 1. compiles every ``csrc/vulkan/shaders/*.comp`` with ``glslc --target-env=vulkan1.2 -O`` into
    ``<cache>/vk-<key>/spv-<hash>/<name>.spv``; a shader whose first line is ``// hz: per-format`` is
-   compiled once per format of the Vulkan rule table (the ``// hz: formats ...`` line at the top of
-   ``shaders/formats.glsl``) with ``-DHZ_FMT_<NAME>=1 -DHZ_FMT=<NAME>`` into ``<name>.<NAME>.spv``;
+   compiled once per format of the Vulkan rule table (:data:`.rules.RULES`, the formats with a
+   ``HZ_FMT_<NAME>`` rule in ``shaders/formats.glsl``) with ``-DHZ_FMT_<NAME>=1 -DHZ_FMT=<NAME>`` into ``<name>.<NAME>.spv``;
    a shader whose first line is ``// hz: variants a b ...`` is compiled once per variant with
    ``-DHZ_VARIANT_<v>=1`` into ``<name>.<v>.spv``; a shader that fails to compile is reported
    (:func:`status` ``shader_errors``), not fatal;
 2. builds the C++ extension (every ``csrc/vulkan/*.cpp``, linked with ``-lvulkan``) with
    ``torch.utils.cpp_extension.load``, cached like the CPU one (``~/.cache/hanzo-torch/ext``);
 3. starts the runtime (``ext.init(spv_dir)``: Vulkan 1.2+ instance, device, compute queue);
-4. names PrivateUse1 ``"vulkan"`` (``torch.utils.rename_privateuse1_backend``) and registers the
-   device module, so ``torch.empty(3, device="vulkan")`` and ``x.to("vulkan")`` work.
+4. names PrivateUse1 ``"vulkan"`` (:func:`claim_device`) and registers the device module, so
+   ``torch.empty(3, device="vulkan")`` and ``x.to("vulkan")`` work.
+
+Claiming the device: ``import hanzo_torch`` leaves PrivateUse1 alone (another extension may own
+it). Until :func:`claim_device` runs, torch parses ``"vulkan"`` as its own built-in (unsupported)
+Vulkan type; it runs on the first use of the backend: :func:`available`, :func:`status`,
+:func:`build`, ``hanzo_torch.load(device="vulkan")``, ``hanzo_torch.backends.prepare_device("vulkan")``
+and the CLI's ``--device vulkan``. Code that makes vulkan tensors itself calls
+``hanzo_torch.backends.vulkan.claim_device()`` (or :func:`available`) first. When another
+extension already renamed PrivateUse1, the backend is unavailable with that reason and nothing
+else changes.
 
 Device choice: ``HANZO_VK_DEVICE=<index>`` (an index of ``vkEnumeratePhysicalDevices``), else the
 first discrete GPU, else integrated, virtual, then CPU devices (Mesa's lavapipe). Without the
@@ -25,7 +34,7 @@ Memory and execution model: a vulkan tensor's ``data_ptr()`` is the buffer devic
 first element. Ops are asynchronous (recorded into one command buffer); a copy to the CPU,
 ``.item()`` or :func:`synchronize` submits and waits. ``torch.vulkan.VulkanGraph`` records work
 once and replays it with one submit (:mod:`.device_module`; the decode step of ``generate`` uses
-it unless ``HANZO_VK_GRAPH=0``). ``HANZO_VK_PROFILE=1`` (read at start) collects counters that
+it unless :data:`GRAPHS` is False: ``HANZO_VK_GRAPH=0``, read at import). ``HANZO_VK_PROFILE=1`` (read at start) collects counters that
 :func:`profile` returns and resets.
 
 Note: ``torch.Tensor.is_vulkan`` is torch's own property for its built-in (unrelated) Vulkan
@@ -39,14 +48,22 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import warnings
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from .. import _build
+from ..base import QUANT_OPS, Backend, Capture, ComputeDefaults
+
 NAME = "vulkan"
 DEVICE_TYPES = ("vulkan",)
+
+GRAPHS = os.environ.get("HANZO_VK_GRAPH", "1").strip() != "0"
+"""Whether decode steps capture and replay a :class:`~.device_module.VulkanGraph`
+(``HANZO_VK_GRAPH=0`` at import turns it off; assign in process for an A/B)."""
 
 __all__ = ["NAME", "DEVICE_TYPES", "claim_device", "build", "extension", "available", "status", "formats", "register",
            "synchronize", "profile", "profiling", "set_profiling", "memory_stats", "empty_cache", "features", "fallback_ops",
@@ -59,33 +76,20 @@ _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "vulkan"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "vulkan"
 _SHADER_DIR = _SRC_DIR / "shaders"
 
-_lock = threading.RLock()
-_ext = None
-_failed: Optional[str] = None
+_slot = _build.Slot("the Vulkan backend", None, "PrivateUse1")  # no warning on failure: status() says why
 _shader_errors: dict = {}
 _spv_dir: Optional[Path] = None
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("HANZO_CACHE") or Path.home() / ".cache" / "hanzo-torch") / "ext"
-
-
 def rule_formats() -> tuple:
-    """The formats of the Vulkan rule table: the ``// hz: formats A B ...`` line(s) at the top of
-    ``shaders/formats.glsl``, in the registry, in file order (empty when the file is absent)."""
+    """The formats of the Vulkan rule table (:data:`.rules.RULES`) that the registry holds, in
+    that order (empty when installed without the shader sources)."""
     from ...formats import FORMATS
+    from .rules import RULES
 
-    path = _SHADER_DIR / "formats.glsl"
-    try:
-        text = path.read_text()
-    except OSError:
+    if not (_SHADER_DIR / "formats.glsl").is_file():
         return ()
-    names = []
-    for line in text.splitlines()[:20]:
-        m = re.match(r"\s*//\s*hz:\s*formats\s+(.*)$", line)
-        if m:
-            names += m.group(1).split()
-    return tuple(n for n in names if n in FORMATS)
+    return tuple(n for n in RULES if n in FORMATS)
 
 
 def _sources() -> list:
@@ -167,13 +171,14 @@ def _compile_shaders(out: Path, glslc: str) -> dict:
 
 def claim_device() -> bool:
     """Name torch's PrivateUse1 device "vulkan" and register :mod:`.device_module` as ``torch.vulkan``
-    (cheap: nothing is built). Done at ``import hanzo_torch``, so that ``torch.device("vulkan")``
-    means this device (otherwise torch parses it as its built-in, unsupported Vulkan type); the
-    first vulkan tensor then starts the backend (``torch.vulkan._lazy_init``). False when another
-    extension has already named PrivateUse1."""
+    (cheap: nothing is built), so that ``torch.device("vulkan")`` means this device (before it,
+    torch parses the name as its built-in, unsupported Vulkan type; a ``torch.device`` parsed then
+    keeps that type: parse it again). The first vulkan tensor then starts the backend
+    (``torch.vulkan._lazy_init``). Idempotent. False, changing nothing, when another extension has
+    already named PrivateUse1."""
     import torch
 
-    name = torch.device("privateuseone").type
+    name = _privateuse1_name()
     if name not in ("privateuseone", NAME):
         return False
     if name != NAME:
@@ -185,41 +190,23 @@ def claim_device() -> bool:
     return True
 
 
+def _privateuse1_name() -> str:
+    import torch
+
+    return torch.device("privateuseone").type
+
+
 def _register_device() -> None:
     """The device name and module, and the storage methods (once per process)."""
     import torch
 
     if not claim_device():
-        raise RuntimeError(f"the PrivateUse1 device is already named {torch.device('privateuseone').type!r} "
-                           "by another extension")
+        raise RuntimeError(f"the PrivateUse1 device is already named {_privateuse1_name()!r} by another extension")
     try:  # storage.vulkan() / storage.is_vulkan; the Tensor ones clash with torch's built-in Vulkan names
         torch.utils.generate_methods_for_privateuse1_backend(for_tensor=False, for_module=False,
                                                              for_packed_sequence=False, for_storage=True)
     except RuntimeError:
         pass  # already generated in this process
-
-
-_REFERENCE_SETTERS = ("fused_set_reference", "quant_set_reference")
-"""Ops ``hanzo_vulkan::<name>(str op, bool enabled) -> bool`` of csrc/vulkan/ops_*.cpp that take
-an op's reference mode (each file's kernels keep their own flags)."""
-
-
-def _mirror_reference_mode() -> None:
-    """Hand the ops' reference mode (:mod:`hanzo_torch.ops`) to the Vulkan kernels, now and on every change."""
-    import torch
-
-    from ...ops import _dispatch
-
-    ns = torch.ops.hanzo_vulkan
-    setters = [getattr(ns, n) for n in _REFERENCE_SETTERS if hasattr(ns, n)]
-
-    def apply(op: str, enabled: bool) -> None:
-        for fn in setters:
-            fn(op, enabled)
-
-    for op in _dispatch.reference_ops():
-        apply(op, True)
-    _dispatch.on_reference_change(apply)
 
 
 def build(verbose: bool = False):
@@ -230,17 +217,15 @@ def build(verbose: bool = False):
         RuntimeError: no glslc, no Vulkan loader or driver or device, a device lacking a required
             feature, or a failed C++ build (the message says which).
     """
-    global _ext, _failed, _spv_dir, _shader_errors
-    with _lock:
-        if _ext is not None:
-            return _ext
-        import torch
-
+    global _spv_dir, _shader_errors
+    with _slot.lock:
+        if _slot.ext is not None:
+            return _slot.ext
         if not claim_device():
-            raise RuntimeError(f"the PrivateUse1 device is already named {torch.device('privateuseone').type!r} "
-                               "by another extension")
+            raise RuntimeError(f"the PrivateUse1 device is already named {_privateuse1_name()!r} by another "
+                               "extension")
         key = _build_key()
-        build_dir = _cache_root() / f"vk-{key}"
+        build_dir = _build.cache_root() / f"vk-{key}"
         spv = build_dir / f"spv-{_shader_key()}"
         jobs = _shader_jobs(spv)
         if not all(dst.exists() for _, dst, _ in jobs):
@@ -254,56 +239,33 @@ def build(verbose: bool = False):
             if not any(build_dir.glob("*.so")):
                 raise RuntimeError("the Vulkan headers were not found (/usr/include/vulkan/vulkan.h); on "
                                    "Debian/Ubuntu: apt-get install libvulkan-dev")
-        build_dir.mkdir(parents=True, exist_ok=True)
-        fresh = not any(build_dir.glob("*.so"))
-        if fresh and not verbose:
-            print(f"hanzo-torch: compiling the Vulkan backend (once, a few minutes; cached in {build_dir})",
-                  file=sys.stderr, flush=True)
+        _build.announce(build_dir, "the Vulkan backend", "a few minutes", verbose)
         _shader_errors = _compile_shaders(spv, glslc) if glslc else {}
         for spv_name, err in _shader_errors.items():
             warnings.warn(f"hanzo_torch: the Vulkan shader {spv_name} failed to compile; ops that use it will "
                           f"raise:\n{err}", RuntimeWarning, stacklevel=2)
-        from torch.utils.cpp_extension import load
-
         include = []
         sdk = os.environ.get("VULKAN_SDK")
         if sdk:
             include.append(str(Path(sdk) / "include"))
         ldflags = ["-lvulkan"] + ([f"-L{Path(sdk) / 'lib'}"] if sdk else [])
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-            from .._build import build_lock
-
-            try:
-                with build_lock(build_dir):
-                    ext = load(name=f"hanzo_vulkan_{key}", sources=[str(s) for s in _sources()],
-                               extra_cflags=["-O2", "-std=c++17"], extra_ldflags=ldflags,
-                               extra_include_paths=include, build_directory=str(build_dir), verbose=verbose)
-            except ImportError as e:  # the .so built elsewhere but libvulkan.so.1 is missing here
-                raise RuntimeError(f"the Vulkan loader could not be loaded ({e}); on Debian/Ubuntu: "
-                                   "apt-get install libvulkan1 mesa-vulkan-drivers") from None
+        try:
+            ext = _build.load_extension(build_dir, verbose, name=f"hanzo_vulkan_{key}",
+                                        sources=[str(s) for s in _sources()], extra_cflags=["-O2", "-std=c++17"],
+                                        extra_ldflags=ldflags, extra_include_paths=include)
+        except ImportError as e:  # the .so built elsewhere but libvulkan.so.1 is missing here
+            raise RuntimeError(f"the Vulkan loader could not be loaded ({e}); on Debian/Ubuntu: "
+                               "apt-get install libvulkan1 mesa-vulkan-drivers") from None
         ext.init(str(spv))
         _register_device()
-        _mirror_reference_mode()
         _spv_dir = spv
-        _ext = ext
-        _failed = None
+        _slot.loaded(ext)
         return ext
 
 
 def extension():
     """The started extension, building it on first use; None when the backend cannot run here."""
-    global _failed
-    if _ext is not None:
-        return _ext
-    if _failed is not None:
-        return None
-    try:
-        return build()
-    except Exception as e:  # missing loader / driver / device / glslc, failed build
-        _failed = f"{type(e).__name__}: {e}" if not isinstance(e, RuntimeError) else str(e)
-        _failed = _failed.strip().splitlines()[0][:500] if _failed.strip() else type(e).__name__
-        return None
+    return _slot.get(build)
 
 
 def available() -> bool:
@@ -313,7 +275,7 @@ def available() -> bool:
 
 def reason() -> Optional[str]:
     """Why the backend is unavailable (None when it is available)."""
-    return None if extension() is not None else _failed
+    return None if extension() is not None else _slot.failed
 
 
 def formats() -> tuple:
@@ -327,7 +289,7 @@ def features() -> dict:
     int8 dot product, bfloat16, memory). Raises RuntimeError when the backend is unavailable."""
     ext = extension()
     if ext is None:
-        raise RuntimeError(f"the vulkan backend is unavailable: {_failed}")
+        raise RuntimeError(f"the vulkan backend is unavailable: {_slot.failed}")
     return dict(ext.features())
 
 
@@ -335,7 +297,7 @@ def status() -> dict:
     """``{"available", "reason", "formats", ...}``: device details when available."""
     ext = extension()
     if ext is None:
-        return {"available": False, "reason": _failed or "unknown", "formats": ()}
+        return {"available": False, "reason": _slot.failed or "unknown", "formats": ()}
     f = ext.features()
     st = {"available": True, "reason": None, "formats": formats(),
           "device": f"{f['device_name']} ({f['device_type']}, Vulkan {f['api_version']}, {f['driver_name']})",
@@ -364,7 +326,7 @@ def spv_dir() -> Optional[Path]:
 def _need():
     ext = extension()
     if ext is None:
-        raise RuntimeError(f"the vulkan backend is unavailable: {_failed}")
+        raise RuntimeError(f"the vulkan backend is unavailable: {_slot.failed}")
     return ext
 
 
@@ -408,3 +370,63 @@ def empty_cache() -> None:
 def fallback_ops() -> list:
     """The aten ops that ran on the CPU through the fallback in this process."""
     return list(_need().fallback_ops())
+
+
+class VulkanBackend(Backend):
+    """The contract of the Vulkan backend (:mod:`hanzo_torch.backends.base`)."""
+
+    name = NAME
+    device_types = DEVICE_TYPES
+    dispatch_key = "PrivateUse1"
+    defaults = ComputeDefaults(
+        torch.float32, None,
+        "float32 activations and KV: no GPU measurement shows bfloat16 paying here, it puts the logits of a "
+        "tiny qwen3 with F32 weights 1.5% (of the largest) from the CPU's float32 and flips greedy tokens at "
+        "near-ties, and llama.cpp's Vulkan backend keeps float32 activations too")
+
+    @property
+    def op_formats(self):
+        fmts = frozenset(rule_formats())
+        return {op: fmts for op in QUANT_OPS}
+
+    def reason(self) -> Optional[str]:
+        return reason()
+
+    def prepare_device(self, device):
+        if not claim_device():
+            raise RuntimeError(f"the vulkan device is unavailable: the PrivateUse1 device is already named "
+                               f"{_privateuse1_name()!r} by another extension")
+        return torch.device(str(device))  # parsed again: "vulkan" is PrivateUse1 from now on
+
+    def register(self) -> frozenset:
+        return register()
+
+    def status(self) -> dict:
+        return status()
+
+    def synchronize(self, device) -> None:
+        synchronize()
+
+    def graphs_supported(self, device) -> bool:
+        return GRAPHS and available()
+
+    def capture(self, device, fn, warmup: int) -> Capture:
+        from .device_module import VulkanGraph, graph
+
+        # one queue: the warm-up steps (pipelines created, lazily allocated buffers made) run in
+        # order before the capture
+        for _ in range(max(1, warmup)):
+            fn()
+        g = VulkanGraph()
+        with graph(g):
+            out = fn()
+        return Capture(g.replay, out)
+
+    def profiling(self) -> bool:
+        return profiling()
+
+    def profile(self) -> dict:
+        return profile()
+
+
+BACKEND = VulkanBackend()

@@ -28,9 +28,9 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    from . import _ext as ext
+    from . import _slot
 
-    return ext is not None
+    return _slot.ext is not None
 
 
 def _lazy_init() -> None:
@@ -163,6 +163,7 @@ class graph:
 
 def is_capturing() -> bool:
     """True while a :class:`VulkanGraph` capture is under way (``torch.cuda.is_current_stream_capturing``'s twin)."""
-    from . import _ext as ext
+    from . import _slot
 
+    ext = _slot.ext
     return bool(ext.capturing()) if ext is not None else False

@@ -7,8 +7,8 @@ of them to run calls :func:`configure` (from C++), which gives them the rule tab
 ``csrc/vulkan/shaders/formats.glsl`` with their block sizes from the registry, and the i-quant
 grids (too large for GLSL constants), copied to the device once. The registry's other quantized
 formats run the reference with one warning per format. Reference mode
-(:func:`hanzo_torch.ops.use_reference`, ``HANZO_<OP>_FALLBACK=1``) is mirrored into the kernels
-through ``torch.ops.hanzo_vulkan.quant_set_reference``.
+(:func:`hanzo_torch.ops.use_reference`, ``HANZO_<OP>_FALLBACK=1``) never reaches the kernels: it
+is the redirect of :mod:`hanzo_torch.ops._dispatch`, registered in front of them.
 
 ``quantize_q8_1`` runs natively (bit for bit the reference's bytes). ``mul_mat`` (and the two
 projections of ``swiglu_mul_mat``) of the formats with int8 rules take an int8 path where it is
@@ -30,8 +30,6 @@ __all__ = ["configure", "int8_formats", "set_int8", "use_int8"]
 
 _INT8_MODES = {None: -1, False: 0, True: 1, "auto": 2}
 
-_subscribed: list = []
-
 
 def _tables(fmt) -> torch.Tensor:
     """The format's large table (an i-quant grid) as int8 values, or an empty tensor (the small
@@ -45,13 +43,12 @@ def _tables(fmt) -> torch.Tensor:
 
 def configure(formats=None) -> None:
     """Hand the rule table (ggml names ``formats``, default the backend's
-    :func:`~hanzo_torch.backends.vulkan.rule_formats`) and the reference modes to the kernels.
+    :func:`~hanzo_torch.backends.vulkan.rule_formats`) to the kernels.
 
     Called once the device runs (the grids are copied to it); later calls change nothing. Raises
     RuntimeError when the extension with the kernels is not loaded.
     """
     from ...formats import FORMATS, get_format
-    from ...ops import _dispatch
 
     backend = importlib.import_module(__package__)
     fmts = [get_format(n) for n in (backend.rule_formats() if formats is None else formats)]
@@ -60,13 +57,6 @@ def configure(formats=None) -> None:
     ops = torch.ops.hanzo_vulkan
     ops.quant_configure(names, [f.block_size for f in fmts], [f.type_size for f in fmts],
                         [_tables(f) for f in fmts], lacking)
-    if "quant_set_reference" in getattr(backend, "_REFERENCE_SETTERS", ()):
-        return  # the backend mirrors reference mode into every ops file
-    for op in _dispatch.reference_ops():
-        ops.quant_set_reference(op, True)
-    if not _subscribed:
-        _subscribed.append(True)
-        _dispatch.on_reference_change(lambda op, on: torch.ops.hanzo_vulkan.quant_set_reference(op, on))
 
 
 def int8_formats() -> tuple:

@@ -1,0 +1,191 @@
+"""Decode under device graphs: capture one decode step per batch size, replay it per token.
+
+A decode step is ``model(input_ids[B, 1], positions=positions[B, 1], **kwargs)`` with both
+inputs in preallocated device buffers that are written in place before each step. The step is
+captured once by the backend serving the device (``Backend.capture``: a ``torch.cuda.CUDAGraph``
+on CUDA/HIP, a ``torch.vulkan.VulkanGraph`` on ``"vulkan"``, one recorded command buffer
+submitted once per token) and replayed afterwards: the kernels, the KV cache addresses and the logits buffer are fixed at
+capture, and only the contents of the two input buffers change. This is
+correct only because the model reads the position from the ``positions`` tensor on the device
+(RoPE, KV-cache write, attention mask) and never from a Python value: a position baked in at
+capture would make every replay run at the warm-up position.
+
+:class:`DecodeStep` is what :func:`hanzo_torch.generation.generate` uses: eager where the
+backend has no graphs (CPU, ``cuda_graph=False``, ``HANZO_VK_GRAPH=0`` on vulkan), captured
+where it has (``hanzo_torch.cuda_graphs`` is this module under its earlier name). Captured
+graphs are cached on the model,
+keyed by batch size, forward keyword arguments and the addresses of the model's buffers (the KV
+caches): a cache reallocated by ``setup_cache`` invalidates them.
+
+:func:`layer_probe` records each decoder layer's output into static buffers (also inside a
+captured graph), so a replay that differs from eager can be traced to the first layer that
+differs.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator, Optional
+
+import torch
+
+__all__ = ["DecodeStep", "CapturedDecode", "graphs_supported", "layer_probe", "clear_graphs"]
+
+WARMUP_STEPS = 2
+"""Eager steps run before capture (on CUDA on a side stream: Triton JIT compiles and caches
+format tables there, so nothing in the captured step allocates host memory or compiles)."""
+
+_CACHE_ATTR = "_hanzo_decode_graphs"
+
+
+def graphs_supported(device: torch.device) -> bool:
+    """True when the backend serving ``device`` can capture graphs there now
+    (``Backend.graphs_supported``: a CUDA/HIP device with CUDA graphs; the ``"vulkan"`` device with
+    its backend available and ``hanzo_torch.backends.vulkan.GRAPHS`` on)."""
+    from . import backends
+
+    device = torch.device(device)
+    return backends.for_device(device).graphs_supported(device)
+
+
+def _synchronize(device: torch.device) -> None:
+    from . import backends
+
+    backends.for_device(device).synchronize(device)
+
+
+def _state_key(model: torch.nn.Module) -> tuple:
+    # buffer addresses: the KV caches a captured graph writes must be the ones the model holds now
+    return tuple(b.data_ptr() for b in model.buffers() if b is not None)
+
+
+def clear_graphs(model: torch.nn.Module) -> None:
+    """Drop the decode graphs captured for ``model`` (their memory pools are freed with them)."""
+    if hasattr(model, _CACHE_ATTR):
+        delattr(model, _CACHE_ATTR)
+
+
+class CapturedDecode:
+    """One decode step of ``model`` captured into a graph by the backend of its device.
+
+    ``input_ids`` and ``positions`` (int64 ``[B, 1]`` on the model's device) are the static
+    inputs, ``logits`` (float32 ``[B, 1, V]``) the static output; :meth:`replay` runs the step
+    on whatever the input buffers hold.
+
+    Capture writes nothing visible: the warm-up steps are real forwards, so the caller fills the
+    input buffers with the step it is about to run (its keys/values are then written by the
+    warm-up exactly as the replay writes them again).
+    """
+
+    def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kwargs: dict, warmup: int = WARMUP_STEPS):
+        from . import backends
+
+        self.input_ids = input_ids
+        self.positions = positions
+        self.device = input_ids.device
+        cap = backends.for_device(self.device).capture(
+            self.device, lambda: model(input_ids, positions=positions, **kwargs), warmup)
+        self._replay = cap.replay
+        self.logits = cap.output
+
+    def replay(self) -> torch.Tensor:
+        """Run the captured step; returns the static logits buffer (overwritten by the next replay)."""
+        self._replay()
+        return self.logits
+
+
+class DecodeStep:
+    """The decode step of :func:`~hanzo_torch.generation.generate`: owns the ``[B, 1]`` input id
+    and position buffers and runs the model on them, replaying a captured graph when it can.
+
+    Args:
+        model: a module following the hanzo-torch model interface (``forward(input_ids,
+            positions=..., **kwargs)``), with its KV cache already allocated for ``batch_size``
+            (the prefill does that).
+        batch_size: B.
+        device: where the model runs.
+        cuda_graph: capture and replay where the device's backend has graphs (CUDA/HIP, vulkan;
+            ignored elsewhere; on vulkan ``HANZO_VK_GRAPH=0`` at import turns it off too).
+        kwargs: extra keyword arguments of every decode forward (``last_only=True``).
+
+    Call :meth:`__call__` after writing ``input_ids`` and ``positions`` (in place) to get the
+    float32 logits ``[B, 1, V]``; with a graph they live in a static buffer that the next step
+    overwrites, so copy what must outlive it. ``graphed`` says whether replay is in use. If
+    capture raises (an op that synchronizes with the host, say), a RuntimeWarning names the
+    error and this step stays eager.
+    """
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, cuda_graph: bool = True,
+                 **kwargs: Any):
+        self.model = model
+        self.kwargs = kwargs
+        self.device = torch.device(device)
+        self.use_graph = bool(cuda_graph) and graphs_supported(self.device)
+        self.graphed = False
+        self._captured: Optional[CapturedDecode] = None
+        key = (batch_size, tuple(sorted(kwargs.items())), _state_key(model)) if self.use_graph else None
+        self._key = key
+        if self.use_graph:
+            cached = getattr(model, _CACHE_ATTR, {}).get(key)
+            if cached is not None:
+                self._captured = cached
+                self.input_ids, self.positions = cached.input_ids, cached.positions
+                return
+        self.input_ids = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
+        self.positions = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
+
+    def __call__(self) -> torch.Tensor:
+        if self._captured is not None:
+            self.graphed = True
+            return self._captured.replay()
+        if self.use_graph:
+            try:
+                cap = CapturedDecode(self.model, self.input_ids, self.positions, self.kwargs)
+            except Exception as e:  # noqa: BLE001 - any capture failure: run eager, say why
+                self.use_graph = False
+                warnings.warn(f"decode graph capture failed, decoding eagerly: {type(e).__name__}: {e}",
+                              RuntimeWarning, stacklevel=2)
+                _synchronize(self.device)
+            else:
+                graphs = getattr(self.model, _CACHE_ATTR, None)
+                if graphs is None:
+                    graphs = {}
+                    setattr(self.model, _CACHE_ATTR, graphs)
+                graphs[self._key] = cap
+                self._captured = cap
+                self.graphed = True
+                return cap.replay()
+        return self.model(self.input_ids, positions=self.positions, **self.kwargs)
+
+
+@contextlib.contextmanager
+def layer_probe(model: torch.nn.Module) -> Iterator[list]:
+    """Record the output of every ``model.blk[i]`` decoder layer in static buffers.
+
+    Yields a list that holds, after each forward, one float32 tensor per layer (the layer's
+    ``x`` output, ``[B, T, H]``). The buffers are allocated on the first forward and copied into
+    in place afterwards, so a forward captured into a graph keeps refreshing them on replay; use
+    ``[t.clone() for t in probe]`` to keep a step's values. Hooks are removed on exit.
+    """
+    outs: list[torch.Tensor] = []
+    handles = []
+
+    def hook(i):
+        def fn(module, args, output):
+            x = output[0] if isinstance(output, tuple) else output
+            if len(outs) <= i:
+                outs.append(x.detach().float().clone())
+            elif outs[i].shape == x.shape:
+                outs[i].copy_(x.detach())
+            else:
+                outs[i] = x.detach().float().clone()
+        return fn
+
+    for i, blk in enumerate(model.blk):
+        handles.append(blk.register_forward_hook(hook(i)))
+    try:
+        yield outs
+    finally:
+        for h in handles:
+            h.remove()
