@@ -52,7 +52,7 @@ import pytest
 import torch
 
 import hanzo_torch
-from hanzo_torch import get_format
+from hanzo_torch import constants, get_format
 from hanzo_torch.backends.triton._testing import random_packed
 from hanzo_torch.ops import fused as ref_fused
 
@@ -204,7 +204,7 @@ def _vulkan_backend() -> Backend:
     # ids and positions are checked on the device (no host sync), as on CUDA
     return Backend("vulkan", _vulkan_run(False), tuple(vulkan.formats()),
                    dtypes=(torch.float32, torch.bfloat16, torch.float16), x_hat=lambda op, x, qtype: x.double(),
-                   host_index_errors=False, matvec_max_rows=8)  # kMatVecRows of csrc/vulkan/ops_quant.cpp
+                   host_index_errors=False, matvec_max_rows=constants.VULKAN_MATVEC_MAX_ROWS)
 
 
 def _vulkan_int8_backend() -> Optional[Backend]:
@@ -225,7 +225,8 @@ def _vulkan_int8_backend() -> Optional[Backend]:
     # the formats of the common recipes get every edge case, the others the decode and GEMM cases
     edge = tuple(q for q in ("Q4_0", "Q8_0", "Q4_K", "Q6_K") if q in int8)
     return Backend("vulkan-int8", _vulkan_run(True), tuple(q for q in vulkan.formats() if q in int8),
-                   x_hat=x_hat, host_index_errors=False, matvec_max_rows=8, edge_formats=edge)
+                   x_hat=x_hat, host_index_errors=False, matvec_max_rows=constants.VULKAN_MATVEC_MAX_ROWS,
+                   edge_formats=edge)
 
 
 def _backends() -> list:

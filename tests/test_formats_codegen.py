@@ -105,3 +105,39 @@ def test_glsl_tables_hold_the_registry_tables():
             guard = text[:m.start()].rsplit("#if ", 1)[1]
             assert f"defined(HZ_FMT_{fmt.name})" in guard, (fmt.name, name)
     assert codegen.glsl_table_name(hanzo_torch.get_format("IQ4_XS"), "kvalues") == "hz_kvalues_iq4_nl"
+
+
+def test_committed_constants_are_the_generated_ones():
+    for path, render in ((codegen.CONSTANTS_HEADER_PATH, codegen.render_constants_header),
+                         (codegen.CONSTANTS_GLSL_PATH, codegen.render_constants_glsl)):
+        assert path.read_text() == render(), f"{path} differs from hanzo_torch/constants.py: run python -m hanzo_torch.formats.codegen"
+
+
+def test_check_mode_reports_stale_constants(tmp_path, capsys):
+    h, g = tmp_path / "hz_constants.h", tmp_path / "hz_constants.glsl"
+    args = ["--constants-output", str(h), "--constants-glsl-output", str(g)]
+    assert codegen.main(args) == 0 and h.read_text() == codegen.render_constants_header()
+    assert g.read_text() == codegen.render_constants_glsl() and codegen.main(["--check", *args]) == 0
+    g.write_text(codegen.render_constants_glsl().replace("#define HZ_Q8_0_BYTES 34u", "#define HZ_Q8_0_BYTES 36u"))
+    assert codegen.main(["--check", *args]) == 1
+    err = capsys.readouterr().err
+    assert str(g) in err and str(h) not in err
+
+
+def test_constants_are_the_registry_facts():
+    from hanzo_torch import constants
+    from hanzo_torch.formats import q8_1
+
+    q8 = hanzo_torch.get_format("Q8_0")
+    assert (constants.Q8_0_BLOCK, constants.Q8_0_BYTES) == (q8.block_size, q8.type_size) == (32, 34)
+    assert (constants.Q8_1_BLOCK, constants.Q8_1_BYTES) == (q8_1.QK8_1, q8_1.Q8_1_BLOCK_BYTES) == (32, 36)
+    # a q8_1 block is what quantize_q8_1 writes per 32 values
+    assert q8_1.quantize_q8_1(torch.randn(2, 3 * constants.Q8_1_BLOCK)).shape == (2, 3 * constants.Q8_1_BYTES)
+    assert constants.q8_0_row_bytes(128) == 4 * 34
+    text, glsl = codegen.render_constants_header(), codegen.render_constants_glsl()
+    for name, (value, _) in constants.CONSTANTS.items():
+        assert re.search(rf"^#define HZ_{name} {value}  //", text, re.M), name
+        assert re.search(rf"^#define HZ_{name} {value}u  //", glsl, re.M), name
+    from hanzo_torch.backends import cpu
+
+    assert cpu.MV_MAX_ROWS == constants.CPU_MATVEC_MAX_ROWS

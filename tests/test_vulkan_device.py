@@ -1,4 +1,4 @@
-"""The "vulkan" torch device (csrc/vulkan/runtime.cpp, device.cpp) on whatever Vulkan device is here
+"""The "vulkan" torch device (csrc/vulkan/runtime_*.cpp, device.cpp) on whatever Vulkan device is here
 (lavapipe, Mesa's CPU Vulkan, in CI): copies, views, casts, fill, the native glue ops, the CPU
 fallback, out-of-memory errors, the status without a driver, profile counters.
 

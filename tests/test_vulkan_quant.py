@@ -13,6 +13,7 @@ import torch
 
 import hanzo_torch
 from hanzo_torch.backends import vulkan
+from hanzo_torch.constants import VULKAN_MATVEC_MAX_ROWS
 from hanzo_torch.backends.triton._testing import random_packed
 
 pytestmark = pytest.mark.skipif(not vulkan.available(), reason=f"vulkan backend unavailable: {vulkan.reason()}")
@@ -79,7 +80,8 @@ def test_mul_mat_vec_and_gemm_tiles(qtype):
     w = random_packed(qtype, (N, K), seed=9)
     wf = torch.ops.hanzo_ref.dequantize(w, qtype, [N, K], torch.float32)
     wd = w.to(DEV)
-    for M in (1, 8, 9, 70):  # mat-vec up to 8 rows, the tiled GEMM above
+    mv = VULKAN_MATVEC_MAX_ROWS
+    for M in (1, mv, mv + 1, 70):  # mat-vec up to mv rows, the tiled GEMM above
         x = torch.randn(M, K, generator=_g(M))
         got = torch.ops.hanzo.mul_mat(x.to(DEV), wd, qtype).cpu()
         err = (got.double() - x.double() @ wf.double().t()).abs()

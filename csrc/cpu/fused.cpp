@@ -20,6 +20,7 @@
 // kParallelWork floats of work; decode attention only above kAttnParallelWork. No split depends
 // on the thread count, so results are the same bits with any number of threads.
 #include <torch/library.h>
+#include "../common/hz_constants.h"
 #include "hz_api.h"
 #include "threading.h"
 #include <ATen/ATen.h>
@@ -260,8 +261,8 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q_in, const at
 // row of D values stored as D/32 ggml block_q8_0 (an f16 scale d, then 32 int8 codes q; x = d*q).
 // Rows are converted to float32 when read; scores, softmax and P*V are float32 for every kind.
 enum class KvKind { F32, F16, BF16, Q8_0 };
-constexpr int64_t kQ8Block = 32;  // values per block_q8_0
-constexpr int64_t kQ8Bytes = 34;  // bytes per block_q8_0
+constexpr int64_t kQ8Block = HZ_Q8_0_BLOCK;  // values per block_q8_0
+constexpr int64_t kQ8Bytes = HZ_Q8_0_BYTES;  // bytes per block_q8_0
 
 KvKind kv_kind(const at::Tensor& c, const char* op) {
     switch (c.scalar_type()) {
@@ -282,14 +283,14 @@ int64_t kv_row_bytes(KvKind kind, int64_t D) {
         case KvKind::F32: return 4 * D;
         case KvKind::F16:
         case KvKind::BF16: return 2 * D;
-        case KvKind::Q8_0: return D / kQ8Block * kQ8Bytes;
+        case KvKind::Q8_0: return hz_q8_0_row_bytes(D);
     }
     return 0;
 }
 
 // Whether a cache whose last dim is `last` holds rows of D values.
 bool kv_fits(KvKind kind, int64_t last, int64_t D) {
-    return kind == KvKind::Q8_0 ? D % kQ8Block == 0 && last == D / kQ8Block * kQ8Bytes : last == D;
+    return kind == KvKind::Q8_0 ? D % kQ8Block == 0 && last == hz_q8_0_row_bytes(D) : last == D;
 }
 
 inline float half_bits_to_f32(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }

@@ -1,5 +1,6 @@
-// Torch binding of the CPU kernels: argument checks, activation quantization, threading
-// (at::parallel_for over weight rows) and the per-ISA / per-format dispatch tables.
+// Torch binding of the CPU kernels: argument checks, activation quantization, the split of weight
+// rows into tasks (run by threading.h's controller, threading.cpp), the kernel tunables and the
+// per-ISA / per-format dispatch tables.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -17,6 +18,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "../common/format_lookup.h"
+#include "../common/hz_constants.h"
 #include "hz_api.h"
 #include "threading.h"
 #include "hz_ops.h"
@@ -35,85 +38,6 @@ int64_t hz_gemm_kc = 2048, hz_gemm_mc = 64;
 // 15.6 -> 19.3 GB/s, Q6_K [1536, 8960] 18.8 -> 22.9, model decode 13.1 -> 16.1 tok/s.
 static int64_t hz_mv_chunk_bytes = 262144, hz_mv_min_chunks = 4;
 std::atomic<int64_t> hz_active_isa{0};
-
-// ------------------------------------------------------------------------------------------------
-// Adaptive thread count of the parallel regions (threading.h). Every parallel region reports
-// whether it was a loss (slower than its calling thread's estimate of running all its tasks
-// alone). kTrip losses among the last kWindow parallel regions switch the regions to serial for
-// the hold time; then the next regions run parallel as a probe, and kTrip losses among the
-// probe's kWindow regions double the hold (up to hold_max), while a probe without them resets it
-// to hold_min. The state is shared by all kernels and guarded by one mutex (one uncontended lock
-// per region, against tens of microseconds of work).
-namespace {
-constexpr int kWindow = 16, kTrip = 4;
-
-struct HzThreads {
-    std::mutex mu;
-    std::atomic<bool> enabled{true};
-    int64_t hold_min = 50'000'000, hold_max = 1'000'000'000;  // ns
-    bool serial = false;     // regions run serially until hold_until
-    int64_t hold_until = 0;  // steady-clock ns
-    int64_t hold = 50'000'000;
-    bool probing = false;
-    int probe_seen = 0;
-    uint32_t window = 0;     // outcomes of the last kWindow parallel regions, bit set = loss
-    std::atomic<int64_t> regions{0}, serial_regions{0}, parallel_regions{0}, losses{0}, holds{0};
-
-    void reset() {  // with mu held
-        serial = probing = false;
-        hold = hold_min;
-        probe_seen = 0;
-        window = 0;
-    }
-};
-
-HzThreads& hz_threads() {
-    static HzThreads t;
-    return t;
-}
-}  // namespace
-
-int64_t hz_region_threads(int64_t nth) {
-    HzThreads& t = hz_threads();
-    t.regions.fetch_add(1, std::memory_order_relaxed);
-    if (!t.enabled.load(std::memory_order_relaxed)) return nth;
-    std::lock_guard<std::mutex> lock(t.mu);
-    if (t.serial) {
-        if (hz_now_ns() < t.hold_until) {
-            t.serial_regions.fetch_add(1, std::memory_order_relaxed);
-            return 1;
-        }
-        t.serial = false;
-        t.probing = true;
-        t.probe_seen = 0;
-        t.window = 0;
-    }
-    return nth;
-}
-
-void hz_region_report(int64_t elapsed_ns, int64_t ntasks, int64_t own_tasks, int64_t own_ns) {
-    HzThreads& t = hz_threads();
-    t.parallel_regions.fetch_add(1, std::memory_order_relaxed);
-    // serial estimate: ntasks * own_ns / own_tasks (none when the calling thread ran no task: the
-    // other threads did the work, so the region was no loss)
-    const bool loss = own_tasks > 0 && elapsed_ns * own_tasks > own_ns * ntasks;
-    if (loss) t.losses.fetch_add(1, std::memory_order_relaxed);
-    if (!t.enabled.load(std::memory_order_relaxed)) return;
-    std::lock_guard<std::mutex> lock(t.mu);
-    if (t.serial) return;  // a region that started before the switch
-    t.window = ((t.window << 1) | (loss ? 1u : 0u)) & ((1u << kWindow) - 1);
-    if (__builtin_popcount(t.window) >= kTrip) {
-        if (t.probing) t.hold = std::min(2 * t.hold, t.hold_max);
-        t.serial = true;
-        t.probing = false;
-        t.window = 0;
-        t.hold_until = hz_now_ns() + t.hold;
-        t.holds.fetch_add(1, std::memory_order_relaxed);
-    } else if (t.probing && ++t.probe_seen >= kWindow) {
-        t.probing = false;
-        t.hold = t.hold_min;
-    }
-}
 
 namespace {
 
@@ -513,7 +437,7 @@ std::vector<std::vector<int64_t>> formats() {  // (type_id, block size, block by
 namespace dispatch {
 
 using namespace hz::ops;  // enum Op, N_OPS, kOpNames: generated from the op table (hz_ops.h)
-std::atomic<int64_t> g_isa{0}, g_mv_max{5};
+std::atomic<int64_t> g_isa{0}, g_mv_max{HZ_CPU_MATVEC_MAX_ROWS};
 std::atomic<bool> g_configured{false};  // false until configure(): every call goes to the reference
 // ggml name -> type id of the formats with a C++ kernel, set once by configure() before g_configured.
 std::unordered_map<std::string, int64_t> g_qtypes;
@@ -529,24 +453,9 @@ c10::TypedOperatorHandle<Sig> ref_op(const char* name) {
 
 // A quantized format without a C++ kernel goes to the reference, with one warning per format.
 bool qtype_id(c10::string_view qtype, int64_t* tid) {
-    const std::string name(qtype);
-    auto it = g_qtypes.find(name);
-    if (it != g_qtypes.end()) {
-        *tid = it->second;
-        return true;
-    }
-    if (g_lacking.count(name)) {
-        static std::mutex mu;
-        static std::unordered_set<std::string> warned;
-        std::lock_guard<std::mutex> lock(mu);
-        if (warned.insert(name).second) {
-            // a Python warning (once per format), so it can be filtered and tested like any other
-            const std::string msg = "hanzo cpu: no C++ kernel for format " + name + "; its ops run the torch reference";
-            py::gil_scoped_acquire gil;
-            if (PyErr_WarnEx(PyExc_UserWarning, msg.c_str(), 1) != 0) PyErr_Clear();
-        }
-    }
-    return false;
+    const int64_t* id = hz::find_format(g_qtypes, g_lacking, qtype, "hanzo cpu", "C++ kernel");
+    if (id != nullptr) *tid = *id;
+    return id != nullptr;
 }
 
 bool is_act(const at::Tensor& t) {  // float32 / bfloat16 / float16 on the CPU
@@ -743,7 +652,7 @@ at::Tensor swiglu_cpu(const at::Tensor& g, const at::Tensor& u) {
 // A KV cache of rows of D values: float32/bfloat16/float16 [.., D], or q8_0 blocks uint8 [.., D/32*34].
 bool kv_cache_ok(const at::Tensor& c, int64_t D) {
     const auto d = c.scalar_type();
-    if (d == at::kByte) return D % 32 == 0 && c.size(3) == D / 32 * 34;
+    if (d == at::kByte) return D % HZ_Q8_0_BLOCK == 0 && c.size(3) == hz_q8_0_row_bytes(D);
     return (d == at::kFloat || d == at::kBFloat16 || d == at::kHalf) && c.size(3) == D;
 }
 
@@ -926,27 +835,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_matvec_chunk_bytes", [](int64_t bytes, int64_t min_per_thread) { hz_mv_chunk_bytes = std::max<int64_t>(1, bytes); hz_mv_min_chunks = std::max<int64_t>(1, min_per_thread); },
           "mat-vec task size of the dynamic row split: bytes of weights per task, minimum tasks per thread (benchmark knob)",
           py::arg("bytes"), py::arg("min_per_thread") = 4);
-    m.def("set_adaptive_threads", [](bool enabled, int64_t hold_min_ns, int64_t hold_max_ns) {
-              TORCH_CHECK(hold_min_ns >= 0 && hold_max_ns >= hold_min_ns, "set_adaptive_threads: need 0 <= hold_min_ns <= hold_max_ns, got ",
-                          hold_min_ns, ", ", hold_max_ns);
-              HzThreads& t = hz_threads();
-              std::lock_guard<std::mutex> lock(t.mu);
-              t.hold_min = hold_min_ns;
-              t.hold_max = hold_max_ns;
-              t.reset();
-              t.enabled.store(enabled);
-          },
+    m.def("set_adaptive_threads", &hz_set_adaptive_threads,
           "adaptive thread count of the kernels' parallel regions on/off (resets its state); hold times in ns",
           py::arg("enabled"), py::arg("hold_min_ns") = 50'000'000, py::arg("hold_max_ns") = 1'000'000'000);
-    m.def("thread_stats", []() {
-              HzThreads& t = hz_threads();
-              std::lock_guard<std::mutex> lock(t.mu);
-              return std::map<std::string, int64_t>{
-                  {"enabled", t.enabled.load()}, {"serial", t.serial}, {"hold_ns", t.hold},
-                  {"regions", t.regions.load()}, {"serial_regions", t.serial_regions.load()},
-                  {"parallel_regions", t.parallel_regions.load()}, {"losses", t.losses.load()},
-                  {"holds", t.holds.load()}};
-          },
+    m.def("thread_stats", &hz_thread_stats,
           "counters of the kernels' parallel regions: regions (asked for more than one thread), serial_regions "
           "(run serially by the adaptive controller), parallel_regions, losses (parallel regions slower than the "
           "calling thread's serial estimate), holds (switches to serial); state: enabled, serial, hold_ns");

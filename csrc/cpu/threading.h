@@ -6,7 +6,7 @@
 // before it arrived: on a machine whose cores are busy with other processes, such waits can make
 // a parallel region slower than the same tasks run by the calling thread alone.
 //
-// The adaptive controller (HzThreads in ops.cpp) watches each region: the calling thread times its
+// The adaptive controller (HzThreads in threading.cpp) watches each region: the calling thread times its
 // own tasks, which estimates the serial time (tasks x its mean task time); a region that took
 // longer than that estimate is a "loss". When losses are frequent the next regions run serially
 // (no fork) for a hold time, then a few regions run parallel again as a probe; a failed probe
@@ -20,6 +20,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
+#include <string>
 
 inline int64_t hz_now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -32,6 +34,11 @@ int64_t hz_region_threads(int64_t nth);
 // Outcome of a parallel region: its wall time, the tasks in all, and the tasks the calling thread
 // ran with the time it spent running them.
 void hz_region_report(int64_t elapsed_ns, int64_t ntasks, int64_t own_tasks, int64_t own_ns);
+// The controller on/off (resets its state), with its shortest and longest serial hold in ns.
+void hz_set_adaptive_threads(bool enabled, int64_t hold_min_ns, int64_t hold_max_ns);
+// Its counters (regions, serial_regions, parallel_regions, losses, holds) and state (enabled,
+// serial, hold_ns).
+std::map<std::string, int64_t> hz_thread_stats();
 
 // Runs task(i) for i in [0, n) on up to nth threads (nth <= 1: inline, no region), each thread
 // taking the next index from a shared counter. task must not depend on which thread runs it.

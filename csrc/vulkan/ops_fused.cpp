@@ -17,6 +17,7 @@
 // arguments or computes the result. Positions stay on the device: kv_cache_write skips a
 // position outside [0, S); attention lets a position >= S see the whole cache and a negative one
 // nothing (zeros), as the Triton kernels do.
+#include "../common/hz_constants.h"
 #include "../cpu/hz_ops.h"
 #include "runtime.h"
 
@@ -87,7 +88,7 @@ bool cache_ok(const at::Tensor& c, int64_t D, uint32_t* dt) {
     if (!on_vk(c) || c.dim() != 4) return false;
     if (c.scalar_type() == at::kByte) {
         *dt = kQ8_0;
-        return D % 32 == 0 && c.size(3) == D / 32 * 34;
+        return D % HZ_Q8_0_BLOCK == 0 && c.size(3) == hz_q8_0_row_bytes(D);
     }
     return act(c, dt) && c.size(3) == D;
 }

@@ -42,6 +42,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "../common/format_lookup.h"
+#include "../common/hz_constants.h"
 #include "../cpu/hz_ops.h"
 #include "runtime.h"
 
@@ -50,10 +52,10 @@ namespace {
 
 using namespace hz::ops;  // enum Op, N_OPS, kOpNames: generated from the op table (hz_ops.h)
 
-constexpr int64_t kMatVecRows = 8;        // HZ_MV_MAX_M of mul_mat_vec.comp
+constexpr int64_t kMatVecRows = HZ_VK_MATVEC_MAX_ROWS;  // HZ_MV_MAX_M of mul_mat_vec.comp
 constexpr int64_t kTile = 64;             // BM = BN of mul_mat.comp
 constexpr uint32_t kMaxGroups = 65535;    // the smallest maxComputeWorkGroupCount Vulkan allows
-constexpr int64_t kQ8Block = 32, kQ8Bytes = 36;  // values and bytes per q8_1 block
+constexpr int64_t kQ8Block = HZ_Q8_1_BLOCK, kQ8Bytes = HZ_Q8_1_BYTES;  // values and bytes per q8_1 block
 
 // the formats with int8 rules (the `// hz: variants` line of mul_mat_q8.comp and mul_mat_vec_q8.comp)
 const char* const kInt8Formats[] = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"};
@@ -134,20 +136,7 @@ c10::TypedOperatorHandle<Sig> ref_op(const char* name) {
 // The rule of qtype, or nullptr (after one warning per format when it is a quantized format
 // without a rule).
 const Fmt* format_of(c10::string_view qtype) {
-  const std::string name(qtype);
-  auto it = g_formats.find(name);
-  if (it != g_formats.end()) return &it->second;
-  if (g_lacking.count(name)) {
-    static std::mutex mu;
-    static std::unordered_set<std::string> warned;
-    std::lock_guard<std::mutex> lock(mu);
-    if (warned.insert(name).second) {
-      const std::string msg = "hanzo vulkan: no shader rule for format " + name + "; its ops run the torch reference";
-      py::gil_scoped_acquire gil;
-      if (PyErr_WarnEx(PyExc_UserWarning, msg.c_str(), 1) != 0) PyErr_Clear();
-    }
-  }
-  return nullptr;
+  return hz::find_format(g_formats, g_lacking, qtype, "hanzo vulkan", "shader rule");
 }
 
 bool on_device(const at::Tensor& t) { return t.device().type() == c10::DeviceType::PrivateUse1; }

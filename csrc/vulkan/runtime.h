@@ -10,6 +10,11 @@
 // open command buffer (a global memory barrier before a command that follows another one);
 // synchronize() submits what is recorded and waits on a fence. A copy to the host, .item() and
 // torch.vulkan.synchronize() synchronize. Every function here is thread-safe (one lock).
+//
+// Implemented by concern: runtime_device.cpp (device choice, init), runtime_memory.cpp (memory
+// types, allocator), runtime_record.cpp (recording, submission, copies, profile),
+// runtime_graph.cpp (graphs), runtime_pipelines.cpp (pipelines); each part of the one State in
+// its own header (runtime_state.h joins them).
 #pragma once
 
 #include <ATen/core/Tensor.h>

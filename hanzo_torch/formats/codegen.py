@@ -1,8 +1,10 @@
 """Block definitions generated from the format registry: ``csrc/cpu/ggml_blocks.h`` (C++) and
-``csrc/vulkan/shaders/ggml_blocks.glsl`` (GLSL).
+``csrc/vulkan/shaders/ggml_blocks.glsl`` (GLSL); and the shared constants of
+:mod:`hanzo_torch.constants` (q8_0 / q8_1 block sizes, mat-vec / GEMM crossovers) as
+``csrc/common/hz_constants.h`` (C++, CPU and Vulkan) and ``csrc/vulkan/shaders/hz_constants.glsl``.
 
-``python -m hanzo_torch.formats.codegen`` rewrites both; ``--check`` exits with status 1 (and says
-which file) when a committed file differs from what the registry gives. The
+``python -m hanzo_torch.formats.codegen`` rewrites all four; ``--check`` exits with status 1 (and
+says which file) when a committed file differs from what the registry gives. The
 header is ggml's ``ggml-common.h`` in style: one ``block_<type>`` struct per quantized format
 with its fields, types and ``static_assert`` sizes and offsets, plus each format's ggml type
 id, block size (``type_id``, ``qk`` as static members) and ``vec_dot_type``, and the format's
@@ -20,7 +22,11 @@ grids) only by size (``HZ_<NAME>_TABLE_<TABLE>_NUMEL``): the Vulkan backend uplo
 from the registry as int8 buffers whose address the shaders take (lavapipe spends from seconds
 to minutes compiling a dynamically indexed ``const`` array of 512+ words, measured).
 
-The default test suite regenerates both files and compares them with the committed ones
+The constants files define ``HZ_<NAME>`` for every entry of :data:`hanzo_torch.constants.CONSTANTS`
+(unsuffixed integers in C++, ``u``-suffixed in GLSL) and the q8_0 KV cache row size
+(``hz_q8_0_row_bytes(D)`` in C++, ``HZ_Q8_0_ROW_BYTES(D)`` in GLSL).
+
+The default test suite regenerates every file and compares them with the committed ones
 (tests/test_formats_codegen.py), so they cannot drift apart from the registry.
 """
 from __future__ import annotations
@@ -33,7 +39,8 @@ import torch
 
 from . import FORMATS, Format
 
-__all__ = ["HEADER_PATH", "GLSL_PATH", "block_struct_name", "table_slots", "render_header", "render_glsl",
+__all__ = ["HEADER_PATH", "GLSL_PATH", "CONSTANTS_HEADER_PATH", "CONSTANTS_GLSL_PATH", "render_constants_header",
+           "render_constants_glsl", "block_struct_name", "table_slots", "render_header", "render_glsl",
            "glsl_table_name", "main"]
 
 HEADER_PATH = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "ggml_blocks.h"
@@ -41,6 +48,12 @@ HEADER_PATH = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "ggml_block
 
 GLSL_PATH = Path(__file__).resolve().parents[2] / "csrc" / "vulkan" / "shaders" / "ggml_blocks.glsl"
 """Where the generated GLSL block definitions live in a checkout."""
+
+CONSTANTS_HEADER_PATH = Path(__file__).resolve().parents[2] / "csrc" / "common" / "hz_constants.h"
+"""Where the generated C++ constants header lives in a checkout."""
+
+CONSTANTS_GLSL_PATH = Path(__file__).resolve().parents[2] / "csrc" / "vulkan" / "shaders" / "hz_constants.glsl"
+"""Where the generated GLSL constants live in a checkout."""
 
 INLINE_TABLE_MAX = 64
 """Tables with at most this many entries are written into the header; larger ones get a slot."""
@@ -193,20 +206,69 @@ def render_glsl() -> str:
     return "\n".join(w) + "\n"
 
 
+def _constants():
+    from ..constants import CONSTANTS
+
+    return CONSTANTS
+
+
+def render_constants_header() -> str:
+    """The text of ``csrc/common/hz_constants.h`` for :data:`hanzo_torch.constants.CONSTANTS`."""
+    w = [
+        "// Constants shared by the C++ of the CPU and Vulkan backends, GENERATED from hanzo_torch/constants.py",
+        "// (format facts from the format registry) by `python -m hanzo_torch.formats.codegen`: edit that",
+        "// module, not this file. tests/test_formats_codegen.py fails when the two differ.",
+        "#pragma once",
+        "#include <stdint.h>",
+        "",
+    ]
+    for name, (value, what) in _constants().items():
+        w.append(f"#define HZ_{name} {int(value)}  // {what}")
+    w += ["",
+          "// Bytes of one q8_0 KV cache row of D values (D a multiple of HZ_Q8_0_BLOCK).",
+          "static inline int64_t hz_q8_0_row_bytes(int64_t D) { return D / HZ_Q8_0_BLOCK * HZ_Q8_0_BYTES; }",
+          ""]
+    return "\n".join(w)
+
+
+def render_constants_glsl() -> str:
+    """The text of ``csrc/vulkan/shaders/hz_constants.glsl`` for :data:`hanzo_torch.constants.CONSTANTS`."""
+    w = [
+        "// Constants shared with the host code, GENERATED from hanzo_torch/constants.py (format facts from",
+        "// the format registry) by `python -m hanzo_torch.formats.codegen`: edit that module, not this",
+        "// file. tests/test_formats_codegen.py fails when the two differ.",
+        "#ifndef HZ_CONSTANTS_GLSL",
+        "#define HZ_CONSTANTS_GLSL",
+        "",
+    ]
+    for name, (value, what) in _constants().items():
+        w.append(f"#define HZ_{name} {int(value)}u  // {what}")
+    w += ["",
+          "// Bytes of one q8_0 KV cache row of D values (D a multiple of HZ_Q8_0_BLOCK).",
+          "#define HZ_Q8_0_ROW_BYTES(D) ((D) / HZ_Q8_0_BLOCK * HZ_Q8_0_BYTES)",
+          "",
+          "#endif  // HZ_CONSTANTS_GLSL",
+          ""]
+    return "\n".join(w)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hanzo_torch.formats.codegen", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="compare with the committed files instead of writing them")
     p.add_argument("-o", "--output", type=Path, default=None,
                    help=f"C++ header path (default: {HEADER_PATH}); naming only one output handles only that one")
     p.add_argument("--glsl-output", type=Path, default=None, help=f"GLSL path (default: {GLSL_PATH})")
+    p.add_argument("--constants-output", type=Path, default=None,
+                   help=f"C++ constants header path (default: {CONSTANTS_HEADER_PATH})")
+    p.add_argument("--constants-glsl-output", type=Path, default=None,
+                   help=f"GLSL constants path (default: {CONSTANTS_GLSL_PATH})")
     a = p.parse_args(argv)
-    outputs = []
-    if a.output is None and a.glsl_output is None:
-        outputs = [(HEADER_PATH, render_header), (GLSL_PATH, render_glsl)]
-    if a.output is not None:
-        outputs.append((a.output, render_header))
-    if a.glsl_output is not None:
-        outputs.append((a.glsl_output, render_glsl))
+    chosen = [(a.output, render_header), (a.glsl_output, render_glsl), (a.constants_output, render_constants_header),
+              (a.constants_glsl_output, render_constants_glsl)]
+    outputs = [(path, render) for path, render in chosen if path is not None]
+    if not outputs:
+        outputs = [(HEADER_PATH, render_header), (GLSL_PATH, render_glsl),
+                   (CONSTANTS_HEADER_PATH, render_constants_header), (CONSTANTS_GLSL_PATH, render_constants_glsl)]
     status = 0
     for path, render in outputs:
         text = render()

@@ -191,7 +191,7 @@ A ``q8_0`` cache is ``uint8 [B, S, Hk, D/32*34]``: each row of D values is D/32 
 ggml's ``quantize_row_q8_0_ref`` rounding (the bytes of ``hanzo_torch.quantize(x, "Q8_0")``).
 A uint8 cache always means q8_0."""
 
-_Q8_0_BLOCK, _Q8_0_BYTES = 32, 34
+from ..constants import Q8_0_BLOCK as _Q8_0_BLOCK, q8_0_row_bytes as _q8_0_row_bytes  # noqa: E402
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.float64)  # float64: reference only
 
 
@@ -206,14 +206,14 @@ def kv_cache_shape(B: int, S: int, Hk: int, D: int, kv_dtype: str) -> tuple[int,
     if kv_dtype == "q8_0":
         if D % _Q8_0_BLOCK:
             raise ValueError(f"kv_dtype q8_0 needs a head dim that is a multiple of 32, got {D}")
-        return (B, S, Hk, D // _Q8_0_BLOCK * _Q8_0_BYTES)
+        return (B, S, Hk, _q8_0_row_bytes(D))
     return (B, S, Hk, D)
 
 
 def _cache_fits(cache: Tensor, D: int) -> bool:
     last = cache.shape[-1]
     if cache.dtype == torch.uint8:
-        return D % _Q8_0_BLOCK == 0 and last == D // _Q8_0_BLOCK * _Q8_0_BYTES
+        return D % _Q8_0_BLOCK == 0 and last == _q8_0_row_bytes(D)
     return last == D
 
 

@@ -44,8 +44,7 @@ CHUNK_BYTES = 64 << 20
 memory of ``mul_mat`` on a 151936 x 1536 output matrix (933 MB as float32) to 16 chunks."""
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: reference only
-_Q8_1_BLOCK = 32  # values per ggml block_q8_1
-_Q8_1_BYTES = 36  # fp16 d, fp16 s = d * sum(qs), int8 qs[32]
+from ..constants import Q8_1_BLOCK as _Q8_1_BLOCK, Q8_1_BYTES as _Q8_1_BYTES  # noqa: E402
 
 
 # ---------------------------------------------------------------------- argument checks

@@ -9,6 +9,8 @@
 #ifndef HZ_COMMON_GLSL
 #define HZ_COMMON_GLSL
 
+#include "hz_constants.glsl"  // numbers shared with the host code (generated)
+
 #extension GL_EXT_buffer_reference : require
 #extension GL_EXT_buffer_reference2 : require
 #extension GL_EXT_scalar_block_layout : require

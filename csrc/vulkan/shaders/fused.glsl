@@ -70,14 +70,14 @@ float fz_round(uint dt, float v) {
 }
 
 // Bytes of one cache row of D values of dtype dt (q8_0: D/32 blocks of 34 bytes).
-uint fz_row_bytes(uint dt, uint D) { return dt == FZ_Q8_0 ? D / 32u * 34u : D * fz_elem_bytes(dt); }
+uint fz_row_bytes(uint dt, uint D) { return dt == FZ_Q8_0 ? HZ_Q8_0_ROW_BYTES(D) : D * fz_elem_bytes(dt); }
 
 // Value d of one cache row at address row (q8_0: scale * code, float32 as ggml dequantizes).
 float fz_load_cache(uint64_t row, uint dt, uint d) {
     if (dt != FZ_Q8_0) return fz_load(row, dt, d);
     const uint blk = d >> 5;
-    const float scale = fz_half_to_float(uint(U16Ptr(row).v[blk * 17u]));
-    return float(int(I8Ptr(row).v[blk * 34u + 2u + (d & 31u)])) * scale;
+    const float scale = fz_half_to_float(uint(U16Ptr(row).v[blk * (HZ_Q8_0_BYTES / 2u)]));
+    return float(int(I8Ptr(row).v[blk * HZ_Q8_0_BYTES + 2u + (d & 31u)])) * scale;
 }
 
 // Position of query row i: int64 (pos32 == 0) or int32 positions.

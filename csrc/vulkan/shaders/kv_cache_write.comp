@@ -34,7 +34,7 @@ void main() {
     for (uint which = 0u; which < 2u; ++which) {
         const uint64_t src = (which == 0u ? p.k : p.v) + src_off, dst = (which == 0u ? p.kc : p.vc) + dst_off;
         if (p.dt_c == FZ_Q8_0) {
-            for (uint blk = tid; blk < D / 32u; blk += FZ_WG) quantize_block(src, dst, blk);
+            for (uint blk = tid; blk < D / HZ_Q8_0_BLOCK; blk += FZ_WG) quantize_block(src, dst, blk);
         } else if (p.dt_c == p.dt) {  // same dtype: the bits as they are
             if (p.dt == FZ_F32) {
                 for (uint i = tid; i < D; i += FZ_WG) U32Ptr(dst).v[i] = U32Ptr(src).v[i];

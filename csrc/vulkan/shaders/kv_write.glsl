@@ -41,10 +41,10 @@ void fz_store_q8_0_block(uint64_t dst, uint blk, float x[32]) {
     }
     const float d = fz_div(amax, 127.0);
     const float id = d == 0.0 ? 0.0 : fz_div(1.0, d);
-    U16Ptr(dst).v[blk * 17u] = uint16_t(fz_float_to_half(d));
+    U16Ptr(dst).v[blk * (HZ_Q8_0_BYTES / 2u)] = uint16_t(fz_float_to_half(d));
     for (uint j = 0u; j < 32u; ++j) {
         const float r = fz_roundf(x[j] * id);
         const int q = isnan(r) || isinf(r) ? 0 : int(clamp(r, -128.0, 127.0));
-        I8Ptr(dst).v[blk * 34u + 2u + j] = int8_t(q);
+        I8Ptr(dst).v[blk * HZ_Q8_0_BYTES + 2u + j] = int8_t(q);
     }
 }

@@ -1,6 +1,6 @@
 // hz: variants Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K IQ4_NL IQ4_XS
 // mul_mat for few activation rows (decode) through int8 dot products: y[m, n] = sum_k x[m, k] W[n, k]
-// with x given as q8_1 blocks (quantize_q8_1.comp) and W's integer codes (formats_q8.glsl), m < M <= 8.
+// with x given as q8_1 blocks (quantize_q8_1.comp) and W's integer codes (formats_q8.glsl), m < M <= HZ_MV_MAX_M.
 // One workgroup per output row n (n = gl_WorkGroupID.x + gl_NumWorkGroups.x * gl_WorkGroupID.y): each
 // invocation takes whole 32-value blocks of the row, packs the weight codes of a block once for all
 // M activation rows, dots them with the q8_1 codes (exact int32) and scales per group; float32
@@ -8,7 +8,7 @@
 #version 460
 #include "formats_q8.glsl"
 
-#define HZ_MV_MAX_M 8u
+#define HZ_MV_MAX_M HZ_VK_MATVEC_MAX_ROWS  // hz_constants.glsl
 #define HZ_MV_THREADS 64u
 
 layout(local_size_x = 64) in;

@@ -31,7 +31,7 @@ void store_cache_row(uint64_t dst, uint D) {
     const uint tid = gl_LocalInvocationID.x;
     barrier();  // row_f complete
     if (p.dt_c == FZ_Q8_0) {
-        for (uint blk = tid; blk < D / 32u; blk += FZ_WG) {
+        for (uint blk = tid; blk < D / HZ_Q8_0_BLOCK; blk += FZ_WG) {
             float x[32];
             for (uint j = 0u; j < 32u; ++j) x[j] = row_f[blk * 32u + j];
             fz_store_q8_0_block(dst, blk, x);

@@ -8,7 +8,7 @@
 #version 460
 #include "formats.glsl"
 
-#define HZ_MV_MAX_M 8u
+#define HZ_MV_MAX_M HZ_VK_MATVEC_MAX_ROWS  // hz_constants.glsl
 #define HZ_MV_THREADS 64u
 
 layout(local_size_x = 64) in;

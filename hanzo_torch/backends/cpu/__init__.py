@@ -58,6 +58,7 @@ from typing import Optional
 
 import torch
 
+from ... import constants as _constants
 from ...formats import FORMATS as _REGISTRY
 from . import rules as _rules
 from .. import _build
@@ -74,16 +75,18 @@ SIMULATED_ISAS = frozenset({3})
 """Levels that emulate another instruction set (for tests): never the default choice."""
 SIMDE_HEADER = "simde/x86/avx512.h"
 
-MV_MAX_ROWS = 5
+MV_MAX_ROWS = _constants.CPU_MATVEC_MAX_ROWS
 """mul_mat uses the mat-vec kernel up to this many activation rows and the tiled GEMM above it
-(crossover measured at 6-8 rows for Q4_K and Q6_K, K=1536, on the 2-core AMD EPYC Zen 3 machine)."""
+(:data:`hanzo_torch.constants.CPU_MATVEC_MAX_ROWS`, where the crossover measurement is)."""
 
 # A wheel ships the sources as hanzo_torch/_csrc (setup.py); a checkout has them in csrc/.
 _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
-_SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_sim.cpp", "fused.cpp")
+_SOURCES = ("ops.cpp", "threading.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_sim.cpp",
+            "fused.cpp")
 _HEADERS = ("hz_api.h", "ggml_blocks.h", "format_list.h", "formats.h", "kernels.h", "kernels_matvec.h",
-            "kernels_gemm.h", "kernels_gemm512.h", "threading.h", "hz_ops.h")
+            "kernels_gemm.h", "kernels_gemm512.h", "threading.h", "hz_ops.h", "../common/format_lookup.h",
+            "../common/hz_constants.h")
 
 
 SUPPORTED_QTYPES = tuple(n for n in _rules.RULES if n in _REGISTRY) if _SRC_DIR.is_dir() else ()

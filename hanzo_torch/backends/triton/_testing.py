@@ -12,6 +12,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ...constants import Q8_1_BLOCK, Q8_1_BYTES
+
+
 def _scale_fields(qtype: str) -> list:
     """``(byte offset, kind)`` of each scale the block of ``qtype`` holds, from the registry's
     block fields (``Field.scale``: ``"f16"``, ``"f16_iq1m"``, ``"e8m0"``, ``"ue4m3"``, ...)."""
@@ -117,8 +120,8 @@ def matvec_q8_1_reference(xq: torch.Tensor, scale: torch.Tensor, offset: torch.T
         the lanes added in order, each step a float32 operation as in the kernel.
     """
     N, K = code.shape
-    nb = K // 32
-    blocks = xq.reshape(nb, 36)
+    nb = K // Q8_1_BLOCK
+    blocks = xq.reshape(nb, Q8_1_BYTES)
     d = blocks[:, :2].contiguous().view(torch.float16).float().reshape(nb)       # [nb]
     q = blocks[:, 4:].contiguous().view(torch.int8).to(torch.int64).reshape(K)   # [K]
     ng = K // group_len

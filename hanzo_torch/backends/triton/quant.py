@@ -33,7 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ...constants import Q8_1_BLOCK, Q8_1_BYTES
 from .formats import GROUP_LEN, _name, format_info, format_table, group_code, group_params, unpack_at
+
+_Q8_1_QK = tl.constexpr(Q8_1_BLOCK)  # the kernels' view of the q8_1 block (values, bytes)
+_Q8_1_TS = tl.constexpr(Q8_1_BYTES)
 
 MATVEC_MAX_M = 8
 """Largest number of activation rows that takes the mat-vec path (decode); above: tiled GEMM.
@@ -235,7 +239,7 @@ def _matvec_q8_kernel(xq, w, y, tab, ids, N, K, rb, x_div, n_experts,
     G: tl.constexpr = BK // GL
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
-    xrb = (K // 32) * 36
+    xrb = (K // _Q8_1_QK) * _Q8_1_TS
     if INDEXED:
         s = tl.program_id(1).to(tl.int64)
         e = tl.load(ids + s).to(tl.int64)
@@ -256,7 +260,7 @@ def _matvec_q8_kernel(xq, w, y, tab, ids, N, K, rb, x_div, n_experts,
         m3 = nm[:, None, None] & gm[None, :, None]
         scale, off, aux = group_params(bp, jg // GL, m3, tab, FMT)   # [BN, G, 1]
         code = group_code(bp, jg + li[None, None, :], m3, tab, aux, FMT).to(tl.int32)  # [BN, G, GL]
-        xb = xq + (kg // 32) * 36                                    # [G] q8_1 block of each group
+        xb = xq + (kg // _Q8_1_QK) * _Q8_1_TS                                   # [G] q8_1 block of each group
         d8 = _f16_le(xb, gm)                                         # [G]
         q = tl.load(xb[:, None] + 4 + (kg % 32)[:, None] + li[None, :], mask=gm[:, None],
                     other=0).to(tl.int8, bitcast=True).to(tl.int32)  # [G, GL]
@@ -710,7 +714,7 @@ def _quantize_q8_1_kernel(x, out, n_blocks, BB: tl.constexpr):
     s_h = tl.where(tiny, tl.where(s < 0.0, 0x8000, 0), s_h)
     d_h = tl.where(is_inf, 0x7C00, tl.where(is_nan, 0x7E00, d_h))  # a zero block is tiny: q = s = 0
     s_h = tl.where(is_inf, 0xFE00, tl.where(is_nan, 0x7E00, s_h))
-    blk = out + r * n_blocks * 36 + b * 36
+    blk = out + r * n_blocks * _Q8_1_TS + b * _Q8_1_TS
     _u16_bytes(blk, d_h, bm)
     _u16_bytes(blk + 2, s_h, bm)
     tl.store(blk[:, None] + 4 + j[None, :], q.to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True), mask=bm[:, None])
@@ -733,8 +737,8 @@ def quantize_q8_1(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"quantize_q8_1: last dim must be a multiple of 32, got shape {tuple(x.shape)}")
     K = x.shape[-1]
     R = math.prod(x.shape[:-1])
-    nb = K // 32
-    out = torch.empty((*x.shape[:-1], nb * 36), dtype=torch.uint8, device=x.device)
+    nb = K // Q8_1_BLOCK
+    out = torch.empty((*x.shape[:-1], nb * Q8_1_BYTES), dtype=torch.uint8, device=x.device)
     if R == 0 or nb == 0:
         return out
     BB = 8
