@@ -270,11 +270,18 @@ def resolve_group(tensor_parallel: bool, tp_group, device: torch.device):
     elif not isinstance(tp_group, dist.ProcessGroup):
         raise TypeError(f"tp_group must be a torch.distributed ProcessGroup, got {type(tp_group).__name__}")
     backend = str(dist.get_backend(tp_group)).lower()
-    if device.type == "cpu" and backend == "nccl":
-        raise ValueError("tensor parallel on the CPU needs a gloo process group, got nccl")
-    if device.type == "cuda" and backend == "gloo":
-        raise ValueError("tensor parallel on CUDA/ROCm needs an nccl process group, got gloo")
+    want = _collective_backend(device)
+    if backend in ("gloo", "nccl") and backend != want:
+        raise ValueError(f"tensor parallel on {device.type} needs a {want} process group, got {backend}")
     return tp_group
+
+
+def _collective_backend(device: torch.device) -> str:
+    """The torch.distributed backend of ``device``'s kernel backend (``Backend.distributed``),
+    gloo where it names none."""
+    from . import backends
+
+    return backends.for_device(device).distributed or "gloo"
 
 
 def init_from_env(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -283,10 +290,10 @@ def init_from_env(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     (each rank on ``cuda:LOCAL_RANK``), collectives timing out after ``timeout_s`` seconds."""
     if dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = _collective_backend(device)
     kw = {}
-    if device.type == "cuda":
-        kw["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if backend == "nccl":  # one GPU per rank
+        kw["device_id"] = torch.device(device.type, int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
 
 
