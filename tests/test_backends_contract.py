@@ -84,6 +84,21 @@ def test_vulkan_format_list_matches_the_shader_rules():
     assert set(hanzo_torch.QUANTIZED_FORMATS) <= set(rule_formats())
 
 
+def test_vulkan_int8_list_is_data_shared_by_shaders_and_cpp():
+    from hanzo_torch.backends import vulkan
+    from hanzo_torch.backends.vulkan import rules
+
+    assert rules.HEADER_PATH.read_text() == rules.render_header(), (
+        "csrc/vulkan/int8_formats.h is stale: run python -m hanzo_torch.backends.vulkan.rules")
+    assert set(rules.INT8_RULES) <= set(rules.RULES)
+    text = (vulkan._SHADER_DIR / "formats_q8.glsl").read_text()
+    assert set(re.findall(r"defined\(HZ_VARIANT_(\w+)\)", text)) == set(rules.INT8_RULES)
+    jobs = {out.name for _, out, _ in vulkan._shader_jobs(vulkan._SHADER_DIR)}
+    for shader in ("mul_mat_q8", "mul_mat_vec_q8"):
+        assert {n for n in jobs if n.startswith(shader + ".")} == {f"{shader}.{f}.spv" for f in rules.INT8_RULES}
+    assert '"Q4_0"' not in (rules.HEADER_PATH.parent / "ops_quant.cpp").read_text()
+
+
 def test_triton_format_list_matches_the_unpack_rules():
     pytest.importorskip("triton")
     from hanzo_torch.backends.triton import formats

@@ -104,13 +104,17 @@ def test_quantize_q8_1_native_and_reference_mode():
 
 
 def test_int8_formats_are_the_shader_variants():
-    """The C++ list of int8 formats (kInt8Formats) is the `// hz: variants` line of both int8 shaders."""
+    """The C++ list of int8 formats (kInt8Formats, the built extension's) is rules.INT8_RULES, for
+    which both int8 shaders were compiled."""
+    from hanzo_torch.backends.vulkan.rules import INT8_RULES
+
     quant = _quant()
     if not vulkan.features()["int8_dot"]:
         pytest.skip("the device does not enable integer dot products")
     with quant.use_int8(True):
         have = set(quant.int8_formats())
+    assert have == set(INT8_RULES)
     for shader in ("mul_mat_q8.comp", "mul_mat_vec_q8.comp"):
         first = (vulkan._SHADER_DIR / shader).read_text().splitlines()[0].split()
-        assert first[:3] == ["//", "hz:", "variants"] and set(first[3:]) == have, shader
+        assert first[:4] == ["//", "hz:", "variants", "@int8"], shader
         assert all((vulkan.spv_dir() / f"{shader[:-5]}.{q}.spv").is_file() for q in have)

@@ -45,6 +45,7 @@
 #include "../common/format_lookup.h"
 #include "../common/hz_constants.h"
 #include "../cpu/hz_ops.h"
+#include "int8_formats.h"
 #include "runtime.h"
 
 namespace hz::vk::quant {
@@ -57,8 +58,8 @@ constexpr int64_t kTile = 64;             // BM = BN of mul_mat.comp
 constexpr uint32_t kMaxGroups = 65535;    // the smallest maxComputeWorkGroupCount Vulkan allows
 constexpr int64_t kQ8Block = HZ_Q8_1_BLOCK, kQ8Bytes = HZ_Q8_1_BYTES;  // values and bytes per q8_1 block
 
-// the formats with int8 rules (the `// hz: variants` line of mul_mat_q8.comp and mul_mat_vec_q8.comp)
-const char* const kInt8Formats[] = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"};
+// the formats with int8 rules, for which mul_mat_q8.comp and mul_mat_vec_q8.comp are compiled
+const char* const kInt8Formats[] = {HZ_VK_INT8_FORMATS};
 
 // int8 mode: 0 off, 1 forced on (where the device enables integer dot products), 2 where they are
 // accelerated; HANZO_VK_INT8 (0 / 1, unset: 2) read once

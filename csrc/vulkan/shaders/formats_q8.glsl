@@ -1,7 +1,7 @@
 // The int8 rules of the Vulkan shaders: a format's values as integer codes times per-group float
 // factors, for dot products against q8_1 activations (q8_1.glsl). Selected like formats.glsl, by
-// HZ_VARIANT_<NAME> of a shader whose first line is `// hz: variants` with the formats below. A
-// rule is
+// HZ_VARIANT_<NAME> of a shader whose first line is `// hz: variants @int8` (the formats of
+// hanzo_torch/backends/vulkan/rules.py INT8_RULES, one rule each below). A rule is
 //     int hz_q8_code(uint64_t blk, uint j)   the signed code (-128..127) of in-block element j
 //     vec2 hz_q8_ab(uint64_t blk, uint g)    (A, B) of scale group g (HZ_Q8_GROUP values)
 // with value_j = A * code_j + B (B only where HZ_Q8_HAS_B is defined), so that a group of

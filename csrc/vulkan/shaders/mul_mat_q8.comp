@@ -1,4 +1,4 @@
-// hz: variants Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K IQ4_NL IQ4_XS
+// hz: variants @int8 (the formats of hanzo_torch/backends/vulkan/rules.py INT8_RULES)
 // mul_mat for many activation rows (prefill) through int8 dot products: a 2-D tiled GEMM,
 // y[m, n] = sum_k x[m, k] W[n, k], x given as q8_1 blocks (quantize_q8_1.comp).
 // A workgroup computes a 64 x 64 tile of y (rows m0.., columns n0..: gl_WorkGroupID.y, .x); per

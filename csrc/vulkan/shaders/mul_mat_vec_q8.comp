@@ -1,4 +1,4 @@
-// hz: variants Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K IQ4_NL IQ4_XS
+// hz: variants @int8 (the formats of hanzo_torch/backends/vulkan/rules.py INT8_RULES)
 // mul_mat for few activation rows (decode) through int8 dot products: y[m, n] = sum_k x[m, k] W[n, k]
 // with x given as q8_1 blocks (quantize_q8_1.comp) and W's integer codes (formats_q8.glsl), m < M <= HZ_MV_MAX_M.
 // One workgroup per output row n (n = gl_WorkGroupID.x + gl_NumWorkGroups.x * gl_WorkGroupID.y): each

@@ -8,7 +8,8 @@ Importing this package is cheap and never fails. :func:`build` (called by :func:
    compiled once per format of the Vulkan rule table (:data:`.rules.RULES`, the formats with a
    ``HZ_FMT_<NAME>`` rule in ``shaders/formats.glsl``) with ``-DHZ_FMT_<NAME>=1 -DHZ_FMT=<NAME>`` into ``<name>.<NAME>.spv``;
    a shader whose first line is ``// hz: variants a b ...`` is compiled once per variant with
-   ``-DHZ_VARIANT_<v>=1`` into ``<name>.<v>.spv``; a shader that fails to compile is reported
+   ``-DHZ_VARIANT_<v>=1`` into ``<name>.<v>.spv`` (``// hz: variants @int8``: once per format of
+   :data:`.rules.INT8_RULES`); a shader that fails to compile is reported
    (:func:`status` ``shader_errors``), not fatal;
 2. builds the C++ extension (every ``csrc/vulkan/*.cpp``, linked with ``-lvulkan``) with
    ``torch.utils.cpp_extension.load``, cached like the CPU one (``~/.cache/hanzo-torch/ext``);
@@ -56,6 +57,7 @@ from typing import Optional
 import torch
 
 from .. import _build
+from . import rules as _rules
 from ..base import QUANT_OPS, Backend, Capture, ComputeDefaults
 
 NAME = "vulkan"
@@ -121,6 +123,7 @@ def _shader_key() -> str:
         h.update(f.read_bytes())
     h.update(" ".join(GLSLC_FLAGS).encode())
     h.update(" ".join(rule_formats()).encode())
+    h.update(" ".join(_rules.INT8_RULES).encode())
     return h.hexdigest()[:16]
 
 
@@ -133,7 +136,10 @@ def _shader_jobs(out: Path) -> list:
             first = f.readline()
         variants = re.match(r"\s*//\s*hz:\s*variants\s+(.*)$", first)
         if variants:
-            for v in variants.group(1).split():
+            names = variants.group(1).split()
+            if names[:1] == ["@int8"]:  # the int8 rule list of rules.py (the rest of the line is a comment)
+                names = list(_rules.INT8_RULES)
+            for v in names:
                 jobs.append((src, out / f"{src.stem}.{v}.spv", [f"-DHZ_VARIANT_{v}=1"]))
         elif re.match(r"\s*//\s*hz:\s*per-format", first):
             for fmt in fmts:
