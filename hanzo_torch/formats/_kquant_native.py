@@ -13,19 +13,18 @@ import hashlib
 import os
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from ..backends import _build as _native
+
 _PKG = Path(__file__).resolve().parents[1] / "_csrc" / "quant" / "kquants.c"
 SOURCE = _PKG if _PKG.is_file() else Path(__file__).resolve().parents[2] / "csrc" / "quant" / "kquants.c"
 KINDS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_error: Optional[str] = None
+_slot = _native.Slot("the C K-quant quantizers")  # no warning on failure: error() says why
 
 
 def enabled() -> bool:
@@ -38,43 +37,43 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
     flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
     key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
-    out_dir = Path(os.environ.get("HANZO_CACHE") or Path.home() / ".cache" / "hanzo-torch") / "ext" / f"quant-{key}"
+    out_dir = _native.cache_root() / f"quant-{key}"
     so = out_dir / "libhzquant.so"
     if not so.is_file():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        try:
-            r = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed on {SOURCE}: {r.stderr.strip()[-2000:]}")
-            os.replace(tmp, so)  # atomic: a concurrent build just replaces it with the same bytes
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with _native.build_lock(out_dir):
+            if not so.is_file():
+                _compile(cc, flags, so)
     lib = ctypes.CDLL(str(so))
     lib.hz_quantize_k.restype = ctypes.c_int
     lib.hz_quantize_k.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    _slot.loaded(lib)
     return lib
+
+
+def _compile(cc: str, flags: list, so: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {SOURCE}: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, so)  # a process that finds the file finds it whole
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def library() -> Optional[ctypes.CDLL]:
     """The loaded kernel library, or None (disabled, or it could not be built: see :func:`error`)."""
-    global _lib, _error
     if not enabled():
         return None
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except (OSError, RuntimeError) as e:
-                _error = str(e)
-        return _lib
+    with _slot.lock:
+        return _slot.get(_build)
 
 
 def error() -> Optional[str]:
     """Why the kernel could not be built, or None."""
-    return _error
+    return _slot.failed
 
 
 def quantize(x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
