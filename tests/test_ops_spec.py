@@ -77,6 +77,13 @@ def test_no_import_cycle_among_the_op_modules():
 
     assert rel_imports(spec) <= {"_dispatch"}
     assert rel_imports(_dispatch) == set()
+    # nor does any op module reach up to the backends (they import ops, never the reverse)
+    for mod in (spec, _dispatch, quant, fused, ffn, lora):
+        tree = ast.parse(inspect.getsource(mod))
+        up = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 2
+              and (n.module or "").split(".")[0] == "backends" or isinstance(n, ast.ImportFrom) and n.level == 2
+              and n.module is None and any(a.name == "backends" for a in n.names)]
+        assert not up, (mod.__name__, up)
     assert rel_imports(quant) <= {"spec"} and rel_imports(fused) <= {"spec"}
     assert rel_imports(ffn) <= {"spec", "quant"} and rel_imports(lora) <= {"spec", "quant"}
 

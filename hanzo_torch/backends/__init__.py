@@ -194,3 +194,12 @@ def check_environment() -> None:
     """
     for name in _names():
         backend(name).check_environment()
+
+
+def _install() -> None:
+    from ..ops import _dispatch
+
+    _dispatch.set_activator(activate)
+
+
+_install()

@@ -174,12 +174,23 @@ def default(op: str, device_type: str, reference: Callable, *args):
     """
     native = _ACTIVATED.get(device_type)
     if native is None:
-        from .. import backends
-
-        native = _ACTIVATED[device_type] = backends.activate(device_type)
+        if _activator is None:  # no backend package imported: the references serve every device
+            return reference(*args)
+        native = _ACTIVATED[device_type] = _activator(device_type)
         if op in native:
             return getattr(torch.ops.hanzo, op)(*args)
     return reference(*args)
+
+
+_activator: Optional[Callable[[str], frozenset]] = None
+
+
+def set_activator(fn: Callable[[str], frozenset]) -> None:
+    """Install ``fn(device_type) -> ops with a native kernel there``, called on the first op call
+    on a device type: :func:`hanzo_torch.backends.activate`, installed when that package is
+    imported (so this module imports no backend)."""
+    global _activator
+    _activator = fn
 
 
 def activated(device_type: str) -> Optional[frozenset]:
