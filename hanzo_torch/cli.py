@@ -69,13 +69,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file (default: Qwen2.5-Coder-1.5B-Instruct Q4_K_M, downloaded on first use)")
     p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, vulkan, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=_DTYPES,
-                   help="activation dtype (default: float32 on cpu, bfloat16 elsewhere)")
+                   help="activation dtype (default: the backend's: float32 on cpu and vulkan, bfloat16 on cuda)")
     p.add_argument("--max-context", type=_positive_int, metavar="N", help="KV cache length in tokens")
     p.add_argument("--kv-dtype", default="auto", choices=_KV_DTYPES,
                    help="KV cache type (default: f16 on cpu, the --dtype elsewhere); q8_0: 8.5 bits per value")
     p.add_argument("--tp", type=_positive_int, metavar="N",
                    help="tensor parallel over N ranks, under torchrun --nproc-per-node N (N must equal the world "
-                        "size; gloo on cpu, nccl on cuda); rank 0 prints")
+                        "size; gloo on cpu, nccl on cuda); rank 0 prints; generate and bench only (serve refuses it)")
 
 
 def build_parser() -> argparse.ArgumentParser:
