@@ -36,6 +36,6 @@ from .tokenizer import Tokenizer  # noqa: F401
 from .generation import generate, stream_generate  # noqa: F401
 from .hub import pull  # noqa: F401
 from .convert_hf import convert  # noqa: F401,E402
-from . import decode_graphs, cuda_graphs  # noqa: F401,E402  (DecodeStep; cuda_graphs: its earlier name)
+from . import decode_graphs, cuda_graphs  # noqa: F401,E402  (DecodeStep; cuda_graphs: an alias of decode_graphs)
 
 __version__ = "0.1.0"

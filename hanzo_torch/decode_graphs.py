@@ -12,7 +12,7 @@ capture would make every replay run at the warm-up position.
 
 :class:`DecodeStep` is what :func:`hanzo_torch.generation.generate` uses: eager where the
 backend has no graphs (CPU, ``cuda_graph=False``, ``HANZO_VK_GRAPH=0`` on vulkan), captured
-where it has (``hanzo_torch.cuda_graphs`` is this module under its earlier name). Captured
+where it has (``hanzo_torch.cuda_graphs`` is an alias of this module). Captured
 graphs are cached on the model,
 keyed by batch size, forward keyword arguments and the addresses of the model's buffers (the KV
 caches): a cache reallocated by ``setup_cache`` invalidates them.
