@@ -643,12 +643,17 @@ def cmd_quantize(args) -> int:
         plan = requantize(str(src), args.output, args.type)
     except ValueError as exc:
         _die(str(exc))
+    _print_written(args.output, plan, time.perf_counter() - t0)
+    return 0
+
+
+def _print_written(path: str, plan: dict, seconds: float) -> None:
+    """One line for a written GGUF: its tensor count and the count of each ggml type in ``plan``."""
     counts: dict = {}
     for t in plan.values():
         counts[t] = counts.get(t, 0) + 1
     mix = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-    print(f"wrote {_esc(args.output)}: {len(plan)} tensors ({mix}) in {time.perf_counter() - t0:.1f} s")
-    return 0
+    print(f"wrote {_esc(path)}: {len(plan)} tensors ({mix}) in {seconds:.1f} s")
 
 
 def cmd_convert(args) -> int:
@@ -661,11 +666,7 @@ def cmd_convert(args) -> int:
         raise UsageError(f"unknown type {_esc(args.type)}; one of: {', '.join(FTYPES)}")
     t0 = time.perf_counter()
     plan = convert(args.input, args.output, args.type, log=lambda line: _err(f"note: {_esc(line)}"))
-    counts: dict = {}
-    for t in plan.values():
-        counts[t] = counts.get(t, 0) + 1
-    mix = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-    print(f"wrote {_esc(args.output)}: {len(plan)} tensors ({mix}) in {time.perf_counter() - t0:.1f} s")
+    _print_written(args.output, plan, time.perf_counter() - t0)
     return 0
 
 
