@@ -13,18 +13,21 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..backends import _build as _native
+from .. import _native
 
 _PKG = Path(__file__).resolve().parents[1] / "_csrc" / "quant" / "kquants.c"
 SOURCE = _PKG if _PKG.is_file() else Path(__file__).resolve().parents[2] / "csrc" / "quant" / "kquants.c"
 KINDS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 
-_slot = _native.Slot("the C K-quant quantizers")  # no warning on failure: error() says why
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_error: Optional[str] = None  # why it could not be built (not retried; no warning: error() says it)
 
 
 def enabled() -> bool:
@@ -46,7 +49,6 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     lib.hz_quantize_k.restype = ctypes.c_int
     lib.hz_quantize_k.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    _slot.loaded(lib)
     return lib
 
 
@@ -67,13 +69,19 @@ def library() -> Optional[ctypes.CDLL]:
     """The loaded kernel library, or None (disabled, or it could not be built: see :func:`error`)."""
     if not enabled():
         return None
-    with _slot.lock:
-        return _slot.get(_build)
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except (OSError, RuntimeError) as e:
+                _error = str(e)
+        return _lib
 
 
 def error() -> Optional[str]:
     """Why the kernel could not be built, or None."""
-    return _slot.failed
+    return _error
 
 
 def quantize(x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
