@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
 import torch
@@ -642,7 +642,7 @@ def _run(model, *args) -> Iterator[str]:
         yield from _run_unlocked(model, *args)
 
 
-def _vulkan_profiler(device: torch.device):
+def _backend_profiler(device: torch.device):
     """The profile counters of ``device``'s backend (``Backend.profile``: counters since the last
     call) when it collects them (the vulkan one with ``HANZO_VK_PROFILE=1``), else None."""
     from . import backends
@@ -677,11 +677,11 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
         result_box.append(GenerationResult("", [], stats))
         return
 
-    vk_profile = _vulkan_profiler(device)
+    backend_profile = _backend_profiler(device)
     with torch.inference_mode():
         model.reset()
-        if vk_profile is not None:
-            vk_profile()  # counters from here on
+        if backend_profile is not None:
+            backend_profile()  # counters from here on
             stats.vulkan_profile = {}
         t0 = time.perf_counter()
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
@@ -689,8 +689,8 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
         logits = model(ids, positions=pos, last_only=True)[0, -1]
         token = _sample(model, logits, params, generator, history)
         stats.prefill_s = time.perf_counter() - t0
-        if vk_profile is not None:
-            stats.vulkan_profile["prefill"] = vk_profile()
+        if backend_profile is not None:
+            stats.vulkan_profile["prefill"] = backend_profile()
 
         step = DecodeStep(model, 1, device, cuda_graph, last_only=True)  # [1, 1] id/position buffers
         while True:
@@ -727,8 +727,8 @@ def _run_unlocked(model, prompt_ids, max_new_tokens, params, seed, stops, tokeni
             stats.cuda_graph = step.graphed
             stats.decode_s += time.perf_counter() - t1
             stats.decode_steps += 1
-            if vk_profile is not None:
-                p = vk_profile()
+            if backend_profile is not None:
+                p = backend_profile()
                 if stats.decode_steps == 1:
                     stats.vulkan_profile["first_decode"] = p
                 else:
