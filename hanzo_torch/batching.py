@@ -28,18 +28,17 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .generation import (
+from .prompting import (
     GenerationResult,
     GenerationStats,
-    SamplingParams,
-    _generate_lock,
-    _model_device,
     _checked_budget_and_stops,
     _checked_prompt_ids,
+    _generate_lock,
+    _model_device,
     _model_tokenizer,
     _stop_holdback,
-    sample_next,
 )
+from .sampling import SamplingParams, sample_next
 
 __all__ = ["BatchEngine", "BatchSequence", "BatchTextStream", "generate_batch", "is_batch"]
 
@@ -51,7 +50,7 @@ class BatchSequence:
         prompt_ids: the prompt's token ids.
         token_ids: generated ids (an end-of-generation token excluded).
         text: the text decoded so far (a stop string cut off once found).
-        stats: its :class:`~hanzo_torch.generation.GenerationStats` (``stop_reason`` is set when it
+        stats: its :class:`~hanzo_torch.prompting.GenerationStats` (``stop_reason`` is set when it
             ends; ``"cancelled"`` after :meth:`BatchEngine.cancel`, ``"error"`` when sampling failed).
         slot: its KV-cache row while it runs, else None.
         finished: generation has ended (text complete).
@@ -278,7 +277,7 @@ def is_batch(prompt: Any) -> bool:
 
 class BatchTextStream:
     """Iterator of ``(row, text piece)`` from ``generate([...], stream=True)``; :attr:`results`
-    holds one :class:`~hanzo_torch.generation.GenerationResult` per prompt once it is exhausted."""
+    holds one :class:`~hanzo_torch.prompting.GenerationResult` per prompt once it is exhausted."""
 
     def __init__(self, gen: Iterator[tuple[int, str]], seqs: list[BatchSequence]):
         self._gen = gen

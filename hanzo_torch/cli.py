@@ -79,7 +79,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .generation import DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
+    from .sampling import DEFAULT_MIN_P, DEFAULT_REPEAT_LAST_N, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
 
     parser = argparse.ArgumentParser(prog=PROG, description="Run GGUF LLMs in PyTorch with packed weights.")
     _add_debug(parser, False)
@@ -324,7 +324,7 @@ _SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-
 
 
 def _check_sampling(args) -> None:
-    from .generation import SamplingParams
+    from .sampling import SamplingParams
 
     try:
         SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.repeat_penalty, args.repeat_last_n)

@@ -12,27 +12,42 @@ The prompt is prefilled in one forward; each new token is then fed alone with it
 preallocated ``[1, 1]`` device tensor (written in place). On CUDA/HIP and vulkan the decode step
 is captured once into a graph and replayed per token (:mod:`hanzo_torch.decode_graphs`; ``cuda_graph=False``
 turns it off); the prefill always runs eagerly.
-Sampling runs on the CPU in float32 with its own ``torch.Generator``, so a seed gives the same
-tokens whatever the model's device, and the global RNG is untouched.
-
-Sampler chain (llama.cpp's default order, ``common/sampling.cpp``): repetition penalty over the
-last ``repeat_last_n`` tokens -> top-k -> top-p -> min-p -> temperature -> draw. The truncation
-filters see the temperature-1 distribution, so temperature only reshapes the survivors.
-``temperature == 0`` is greedy (argmax after the repetition penalty).
+Sampling: :mod:`hanzo_torch.sampling`; prompts, stop strings and the result types:
+:mod:`hanzo_torch.prompting` (shared with the batched path, :mod:`hanzo_torch.batching`).
 """
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-import threading
 import time
-import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Protocol, Union
 
 import torch
+
+from .batching import generate_batch, is_batch
+from .prompting import (  # noqa: F401  (re-exported: part of this module's interface)
+    GenerationResult,
+    GenerationStats,
+    Prompt,
+    _checked_budget_and_stops,
+    _checked_prompt_ids,
+    _generate_lock,
+    _model_device,
+    _model_tokenizer,
+    _stop_holdback,
+)
+from .sampling import (  # noqa: F401  (re-exported)
+    DEFAULT_MIN_P,
+    DEFAULT_REPEAT_LAST_N,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    SamplingParams,
+    _sample,
+    apply_repetition_penalty,
+    sample_next,
+    truncate_candidates,
+)
 
 __all__ = [
     "CausalLM",
@@ -47,103 +62,6 @@ __all__ = [
     "apply_repetition_penalty",
     "truncate_candidates",
 ]
-
-# llama.cpp defaults (common/common.h, common_params_sampling)
-DEFAULT_TEMPERATURE = 0.8
-DEFAULT_TOP_K = 40
-DEFAULT_TOP_P = 0.95
-DEFAULT_MIN_P = 0.05
-DEFAULT_REPEAT_LAST_N = 64
-
-
-@dataclass
-class GenerationStats:
-    """Token counts and timings of one :func:`generate` call (seconds, wall clock).
-
-    ``prefill_s`` covers the prompt forward and the first sample; ``decode_s`` the
-    ``decode_steps`` single-token forwards (and their samples) after it. ``generated_tokens``
-    excludes a final end-of-generation token, so it is ``decode_steps`` when generation ended on
-    one and ``decode_steps + 1`` otherwise.
-    """
-
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    decode_steps: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    stop_reason: Optional[str] = None  # "eos", "stop", "length", "context"
-    seed: Optional[int] = None
-    cuda_graph: bool = False  # decode steps replayed a captured CUDA/HIP or Vulkan graph
-    vulkan_profile: Optional[dict] = None
-    """On a device whose backend collects profile counters (vulkan with ``HANZO_VK_PROFILE=1``):
-    its counters (``Backend.profile``, :func:`hanzo_torch.backends.vulkan.profile`) for the ``"prefill"`` (prompt forward and first
-    sample), the ``"first_decode"`` step (graph warm-up and capture included) and the
-    ``"decode"`` steps after it (summed over ``decode_steps - 1`` steps); None otherwise."""
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
-
-    def summary(self) -> str:
-        def rate(r: float) -> str:
-            return f"{r:.1f} tok/s" if math.isfinite(r) else "no timing"
-
-        return (f"prefill: {self.prompt_tokens} tokens in {self.prefill_s:.2f} s "
-                f"({rate(self.prefill_tokens_per_s)}) | decode: {self.decode_steps} tokens in "
-                f"{self.decode_s:.2f} s ({rate(self.decode_tokens_per_s)}) | stop: {self.stop_reason}")
-
-
-@dataclass
-class GenerationResult:
-    """Output of :func:`generate`: the new text (stop string and special tokens excluded), the
-    generated token ids (an end-of-generation token is not included), and the stats."""
-
-    text: str
-    token_ids: list[int]
-    stats: GenerationStats
-
-    def __str__(self) -> str:
-        return self.text
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampler settings; see the module docstring for the order they apply in.
-
-    temperature: >= 0, 0 = greedy. top_k: >= 0, 0 = off. top_p: in (0, 1], 1 = off.
-    min_p: in [0, 1), 0 = off (keep tokens with p >= min_p * p_max).
-    repetition_penalty: > 0, 1 = off (CTRL rule: positive logits divided, negative multiplied).
-    repeat_last_n: how many recent tokens (prompt included) the penalty looks at.
-    """
-
-    temperature: float = DEFAULT_TEMPERATURE
-    top_k: int = DEFAULT_TOP_K
-    top_p: float = DEFAULT_TOP_P
-    min_p: float = DEFAULT_MIN_P
-    repetition_penalty: float = 1.0
-    repeat_last_n: int = DEFAULT_REPEAT_LAST_N
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        if self.repeat_last_n < 0:
-            raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
 
 
 # ---------------------------------------------------------------------- the model interface
@@ -257,130 +175,6 @@ class SequenceState:
         return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
 
 
-# ---------------------------------------------------------------------- samplers (pure functions)
-def apply_repetition_penalty(logits: torch.Tensor, recent_ids: Sequence[int], penalty: float) -> torch.Tensor:
-    """CTRL repetition penalty (Keskar et al. 2019, as in llama.cpp and transformers).
-
-    logits: float ``[V]``. Each distinct id in ``recent_ids`` gets its logit divided by
-    ``penalty`` if positive, multiplied by it otherwise. Returns a new tensor.
-    """
-    if penalty == 1.0 or len(recent_ids) == 0:
-        return logits
-    out = logits.clone()
-    ids = torch.tensor(sorted(set(int(i) for i in recent_ids)), dtype=torch.long)
-    vals = out[ids]
-    out[ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    return out
-
-
-def truncate_candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
-                        min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply top-k, then top-p, then min-p to float ``[V]`` logits (temperature 1).
-
-    Returns ``(values, ids)``: the surviving logits sorted in descending order and their token
-    ids (int64), at least one. top-k keeps the k largest (ties broken by ``torch.topk``); top-p
-    keeps the shortest prefix of the sorted distribution (renormalized over the top-k survivors)
-    whose probability mass reaches ``top_p``; min-p keeps tokens whose probability is at least
-    ``min_p`` times the largest.
-    """
-    logits = logits.float()
-    if top_k and top_k < logits.numel():
-        values, ids = torch.topk(logits, int(top_k))  # sorted descending
-    else:
-        if min_p > 0:  # cheap pre-cut before the full sort: min-p drops these anyway
-            keep = (logits >= logits.max() + math.log(min_p)).nonzero().squeeze(1)
-            logits_kept = logits[keep]
-            values, order = torch.sort(logits_kept, descending=True)
-            ids = keep[order]
-            if top_p < 1.0:  # top-p needs the full distribution's mass: renormalize over all V
-                probs = torch.softmax(logits, dim=0)[ids]
-                return _top_p_min_p(values, ids, probs, top_p, min_p)
-        else:
-            values, ids = torch.sort(logits, descending=True)
-    probs = torch.softmax(values, dim=0)
-    return _top_p_min_p(values, ids, probs, top_p, min_p)
-
-
-def _top_p_min_p(values: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, top_p: float,
-                 min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    n = values.numel()
-    if top_p < 1.0:
-        before = torch.cumsum(probs, dim=0) - probs  # mass strictly before each candidate
-        n = max(1, int((before < top_p).sum()))
-    if min_p > 0:
-        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); sorted, so a prefix
-        n = min(n, max(1, int((values[:n] >= values[0] + math.log(min_p)).sum())))
-    return values[:n], ids[:n]
-
-
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None,
-                recent_ids: Sequence[int] = ()) -> int:
-    """Pick the next token id from float ``[V]`` logits (any device; sampled on the CPU).
-
-    Raises:
-        ValueError: logits are all -inf/NaN (the model produced no usable distribution).
-    """
-    logits = logits.detach().float().cpu()
-    if params.repetition_penalty != 1.0 and params.repeat_last_n:
-        logits = apply_repetition_penalty(logits, list(recent_ids)[-params.repeat_last_n:], params.repetition_penalty)
-    if params.greedy:
-        tid = int(torch.argmax(logits))
-        if not math.isfinite(float(logits[tid])):
-            raise ValueError("the model's logits contain no finite value (NaN/inf): cannot pick a token")
-        return tid
-    values, ids = truncate_candidates(logits, params.top_k, params.top_p, params.min_p)
-    if not math.isfinite(float(values[0])):
-        raise ValueError("the model's logits contain no finite value (NaN/inf): cannot sample a token")
-    probs = torch.softmax(values / params.temperature, dim=0)
-    return int(ids[torch.multinomial(probs, 1, generator=generator)])
-
-
-# ---------------------------------------------------------------------- generation loop
-def _sample_checked(model, logits: torch.Tensor, params: SamplingParams, generator, history: list) -> int:
-    """:func:`sample_next`; logits without a finite value are the model file's fault: GGUFError
-    naming the file (the load-time check only sees the first forward's logits)."""
-    try:
-        return sample_next(logits, params, generator, history)
-    except ValueError as exc:
-        from .gguf_file import GGUFError
-
-        path = getattr(getattr(model, "gguf", None), "path", None)
-        if path is None:
-            raise
-        raise GGUFError(f"{path}: {exc} (after {len(history)} tokens): its weights overflow the compute dtype "
-                        "at this context") from None
-
-
-def _sample(model, logits: torch.Tensor, params: SamplingParams, generator, history) -> int:
-    """:func:`sample_next`; for a tensor-parallel model (``model.tp``), on rank 0, whose token
-    is broadcast to the others, so every rank decodes the same sequence."""
-    tp = getattr(model, "tp", None)
-    if tp is None:
-        return _sample_checked(model, logits, params, generator, history)
-    token = _sample_checked(model, logits, params, generator, history) if tp.rank == 0 else None
-    return tp.broadcast_token(token, logits.device)
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    dev = getattr(model, "device", None)
-    if isinstance(dev, torch.device):
-        return dev
-    for t in (*model.parameters(), *model.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
-def _stop_holdback(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
-
-
 class TextStream:
     """Iterator over generated text pieces (``str``), from ``generate(..., stream=True)``.
 
@@ -407,9 +201,6 @@ class TextStream:
 
     def close(self) -> None:
         self._gen.close()
-
-
-Prompt = Union[str, Sequence[int], torch.Tensor, Sequence[Mapping[str, Any]]]
 
 
 def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, *,
@@ -476,8 +267,6 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
         GGUFError: the logits of a model loaded from a file turned non-finite (naming the file).
         RuntimeError: this thread already has an unfinished run on ``model``.
     """
-    from .batching import generate_batch, is_batch
-
     if is_batch(prompt_or_ids):
         return generate_batch(model, prompt_or_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -514,123 +303,6 @@ def stream_generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int 
                     **kwargs: Any) -> TextStream:
     """``generate(..., stream=True)``: an iterator of text pieces with ``.stats``/``.result``."""
     return generate(model, prompt_or_ids, max_new_tokens, stream=True, **kwargs)
-
-
-def _needs_tokenizer(prompt: Any) -> bool:
-    return isinstance(prompt, str) or (isinstance(prompt, Sequence) and bool(prompt) and isinstance(prompt[0], Mapping))
-
-
-def _model_tokenizer(model: Any, prompts: Any, needed: bool, batch: bool = False) -> Any:
-    """``model.tokenizer``, or None when it has none; a file whose tokenizer is broken raises its
-    GGUFError when the call needs one (text or chat prompts, stop strings, streaming)."""
-    try:
-        return model.tokenizer
-    except (AttributeError, ValueError) as exc:
-        from .gguf_file import GGUFError
-
-        rows = prompts if batch else [prompts]
-        if isinstance(exc, GGUFError) and (needed or any(_needs_tokenizer(p) for p in rows)):
-            raise
-        return None
-
-
-def _check_text_fits(text: str, tokenizer: Any, max_context: Optional[int]) -> None:
-    # Encoding a huge text costs memory in proportion (tens of bytes per character in the BPE
-    # library, which aborts the process when an allocation fails): refuse, before encoding, a
-    # text that cannot fit in max_context tokens anyway.
-    per = getattr(tokenizer, "max_token_bytes", None)
-    if max_context and isinstance(per, int) and per > 0 and len(text) > max_context * per:
-        raise ValueError(f"the prompt has {len(text)} characters, more than max_context={max_context} tokens "
-                         f"of this vocabulary can hold (at most {per} bytes each); shorten it")
-
-
-
-def _checked_budget_and_stops(max_new_tokens, stop) -> list:
-    """Check ``max_new_tokens`` (an integer >= 0) and ``stop`` (a str or strs, none empty);
-    returns the stop strings as a list. ValueError naming the argument otherwise."""
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
-    return stops
-
-
-def _checked_prompt_ids(prompt, tokenizer, add_generation_prompt, template_kwargs, max_context) -> list:
-    """:func:`_prompt_ids`, then checked: not empty, every id in the vocabulary, no longer than
-    ``max_context``; ValueError naming the problem otherwise."""
-    ids = _prompt_ids(prompt, tokenizer, add_generation_prompt, template_kwargs, max_context)
-    if not ids:
-        raise ValueError("empty prompt: give at least one token")
-    if tokenizer is not None:
-        bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})")
-    if max_context is not None and len(ids) > max_context:
-        raise ValueError(f"the prompt has {len(ids)} tokens but the model's max_context is {max_context}; "
-                         "shorten it or load the model with a larger max_context")
-    return ids
-
-def _prompt_ids(prompt: Prompt, tokenizer: Any, add_generation_prompt: bool, template_kwargs: dict,
-                max_context: Optional[int] = None) -> list[int]:
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer (model.tokenizer or tokenizer=)")
-        _check_text_fits(prompt, tokenizer, max_context)
-        return tokenizer.encode(prompt, add_special_tokens=True)
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() == 2 and prompt.shape[0] == 1:
-            prompt = prompt[0]
-        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
-            raise TypeError(f"a token id tensor must be integer [T] or [1, T], got {prompt.dtype} {tuple(prompt.shape)}")
-        return [int(i) for i in prompt.tolist()]
-    if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
-        if tokenizer is None:
-            raise ValueError("chat messages need a tokenizer with a chat template")
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        _check_text_fits(text, tokenizer, max_context)
-        return tokenizer.encode(text, add_special_tokens=False)
-    if isinstance(prompt, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        return [int(i) for i in prompt]
-    raise TypeError(f"prompt must be a str, token ids or chat messages, got {type(prompt).__name__}")
-
-
-class _GenerateLock:
-    """Serializes generation runs on one model object (its KV cache and sequence position are
-    shared state). A second thread waits; the thread already running one (an unfinished
-    stream) gets a RuntimeError instead of a deadlock or interleaved caches."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: Optional[int] = None
-
-    @contextlib.contextmanager
-    def hold(self):
-        me = threading.get_ident()
-        if self._owner == me:
-            raise RuntimeError("generate() is already running on this model in this thread (an unfinished "
-                               "stream=True iterator?); exhaust or close() it before starting another")
-        with self._lock:
-            self._owner = me
-            try:
-                yield
-            finally:
-                self._owner = None
-
-
-_LOCKS: "weakref.WeakKeyDictionary[Any, _GenerateLock]" = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
-
-
-def _generate_lock(model) -> Optional[_GenerateLock]:
-    with _LOCKS_GUARD:
-        try:
-            lock = _LOCKS.get(model)
-            if lock is None:
-                lock = _LOCKS[model] = _GenerateLock()
-        except TypeError:  # not weak-referenceable or unhashable: nothing to key a lock on
-            return None
-    return lock
 
 
 def _run(model, *args) -> Iterator[str]:

@@ -39,14 +39,14 @@ import uuid
 from typing import Any, Optional
 
 from .batching import BatchEngine, BatchSequence
-from .generation import (
+from .prompting import _generate_lock
+from .sampling import (
     DEFAULT_MIN_P,
     DEFAULT_REPEAT_LAST_N,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     SamplingParams,
-    _generate_lock,
 )
 
 __all__ = ["ModelWorker", "create_app", "serve", "QueueFull"]
