@@ -3,10 +3,11 @@
 The controller runs a kernel's tasks on the calling thread alone (no fork-join) while parallel
 regions keep coming out slower than that thread's own estimate of running them alone ("losses":
 another process busy on the cores). Checked here: its policy on synthetic region reports (trip
-after 4 losses in 16 regions, hold, probe, doubling and reset of the hold, the off switch, the
-environment variable), and that no kernel's result depends on it or on the thread count: the
-decode ops and the threaded prefill ops give the same bits with 1 thread, 2 threads, and 2
-threads held serial by the controller (a split that changed a reduction would fail here).
+after 4 losses in 16 regions that together took longer than their serial estimates, hold, probe,
+doubling and reset of the hold, the off switch, the environment variable), and that no kernel's
+result depends on it or on the thread count: the decode ops and the threaded prefill ops give the
+same bits with 1 thread, 2 threads, and 2 threads held serial by the controller (a split that
+changed a reduction would fail here).
 """
 from __future__ import annotations
 
@@ -52,6 +53,18 @@ def test_trips_after_four_losses_in_sixteen_regions(ext):
     assert s["serial"] and s["holds"] == before["holds"] + 1
     assert ext.region_threads(2) == 1 and ext.region_threads(8) == 1
     assert ext.thread_stats()["serial_regions"] == before["serial_regions"] + 2
+
+
+def test_losses_outweighed_by_the_window_do_not_trip(ext):
+    """Four losses among 16 regions whose total wall time stays under their serial estimates."""
+    ext.set_adaptive_threads(True, LONG, LONG)
+    for _ in range(3):
+        for _ in range(12):  # 2 of 4 tasks in 1000 ns, region 1000 ns: saves 1000 ns against 2000
+            ext.report_region(1000, 4, 2, 1000)
+        loss(ext, 4)  # each loses 500 ns: 2000 lost against 12000 saved
+        assert not ext.thread_stats()["serial"] and ext.region_threads(2) == 2
+    loss(ext, 12)  # now the window's losses outweigh its wins
+    assert ext.thread_stats()["serial"] and ext.region_threads(2) == 1
 
 
 def test_old_losses_leave_the_window(ext):

@@ -8,10 +8,12 @@
 #include <mutex>
 
 // Every parallel region reports whether it was a loss (slower than its calling thread's estimate
-// of running all its tasks alone). kTrip losses among the last kWindow parallel regions switch the regions to serial for
-// the hold time; then the next regions run parallel as a probe, and kTrip losses among the
-// probe's kWindow regions double the hold (up to hold_max), while a probe without them resets it
-// to hold_min. The state is shared by all kernels and guarded by one mutex (one uncontended lock
+// of running all its tasks alone). kTrip losses among the last kWindow parallel regions switch the
+// regions to serial for the hold time, provided those kWindow regions together took longer than
+// their serial estimates: a few regions delayed by a short-lived co-runner (a server's HTTP thread,
+// the tokenizer) do not outweigh the time the parallel regions around them saved. Then the next
+// regions run parallel as a probe, and a trip among the probe's kWindow regions doubles the hold
+// (up to hold_max), while a probe without one resets it to hold_min. The state is shared by all kernels and guarded by one mutex (one uncontended lock
 // per region, against tens of microseconds of work).
 namespace {
 constexpr int kWindow = 16, kTrip = 4;
@@ -26,13 +28,31 @@ struct HzThreads {
     bool probing = false;
     int probe_seen = 0;
     uint32_t window = 0;     // outcomes of the last kWindow parallel regions, bit set = loss
+    // wall time and serial estimate of the same regions (ns), a ring indexed by at, and their sums
+    int64_t wall[kWindow] = {}, est[kWindow] = {};
+    int at = 0;
+    int64_t wall_sum = 0, est_sum = 0;
     std::atomic<int64_t> regions{0}, serial_regions{0}, parallel_regions{0}, losses{0}, holds{0};
 
     void reset() {  // with mu held
         serial = probing = false;
         hold = hold_min;
         probe_seen = 0;
+        clear_window();
+    }
+    void clear_window() {  // with mu held
         window = 0;
+        for (int i = 0; i < kWindow; ++i) wall[i] = est[i] = 0;
+        at = 0;
+        wall_sum = est_sum = 0;
+    }
+    void push(bool loss, int64_t w, int64_t e) {  // with mu held
+        window = ((window << 1) | (loss ? 1u : 0u)) & ((1u << kWindow) - 1);
+        wall_sum += w - wall[at];
+        est_sum += e - est[at];
+        wall[at] = w;
+        est[at] = e;
+        at = (at + 1) % kWindow;
     }
 };
 
@@ -55,7 +75,7 @@ int64_t hz_region_threads(int64_t nth) {
         t.serial = false;
         t.probing = true;
         t.probe_seen = 0;
-        t.window = 0;
+        t.clear_window();
     }
     return nth;
 }
@@ -64,18 +84,19 @@ void hz_region_report(int64_t elapsed_ns, int64_t ntasks, int64_t own_tasks, int
     HzThreads& t = hz_threads();
     t.parallel_regions.fetch_add(1, std::memory_order_relaxed);
     // serial estimate: ntasks * own_ns / own_tasks (none when the calling thread ran no task: the
-    // other threads did the work, so the region was no loss)
+    // other threads did the work, so the region was no loss, and it counts as its own wall time)
     const bool loss = own_tasks > 0 && elapsed_ns * own_tasks > own_ns * ntasks;
+    const int64_t est = own_tasks > 0 ? own_ns * ntasks / own_tasks : elapsed_ns;
     if (loss) t.losses.fetch_add(1, std::memory_order_relaxed);
     if (!t.enabled.load(std::memory_order_relaxed)) return;
     std::lock_guard<std::mutex> lock(t.mu);
     if (t.serial) return;  // a region that started before the switch
-    t.window = ((t.window << 1) | (loss ? 1u : 0u)) & ((1u << kWindow) - 1);
-    if (__builtin_popcount(t.window) >= kTrip) {
+    t.push(loss, elapsed_ns, est);
+    if (__builtin_popcount(t.window) >= kTrip && t.wall_sum > t.est_sum) {
         if (t.probing) t.hold = std::min(2 * t.hold, t.hold_max);
         t.serial = true;
         t.probing = false;
-        t.window = 0;
+        t.clear_window();
         t.hold_until = hz_now_ns() + t.hold;
         t.holds.fetch_add(1, std::memory_order_relaxed);
     } else if (t.probing && ++t.probe_seen >= kWindow) {
