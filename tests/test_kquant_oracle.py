@@ -20,6 +20,7 @@ import torch
 import hanzo_torch
 
 KQ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+IQ4 = ["IQ4_NL", "IQ4_XS"]
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +35,13 @@ def ggml():
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 
-    def quantize(x: torch.Tensor, name: str) -> torch.Tensor:
+    def quantize(x: torch.Tensor, name: str, quant_weights=None) -> torch.Tensor:
         fmt = hanzo_torch.get_format(name)
         a = np.ascontiguousarray(x.numpy(), dtype=np.float32)
         out = np.zeros((a.shape[0], fmt.row_bytes(a.shape[1])), np.uint8)
-        n = lib.ggml_quantize_chunk(fmt.type_id, a.ctypes.data, out.ctypes.data, 0, a.shape[0], a.shape[1], None)
+        qw = None if quant_weights is None else np.ascontiguousarray(quant_weights.numpy(), dtype=np.float32)
+        n = lib.ggml_quantize_chunk(fmt.type_id, a.ctypes.data, out.ctypes.data, 0, a.shape[0], a.shape[1],
+                                    None if qw is None else qw.ctypes.data)
         assert n == out.nbytes
         return torch.from_numpy(out)
 
@@ -81,6 +84,51 @@ def test_random_weights_byte_identical(ggml, name, path, monkeypatch):
             x = x[:32]
         bad, total = _compare(hanzo_torch.quantize(x, name), ggml(x, name), name)
         assert bad == 0, f"{name} {case}: {bad} of {total} blocks differ"
+
+
+def _imatrix_like(k: int, seed: int) -> torch.Tensor:
+    """Positive per-column weights spread over decades, a few zero, like mean squared activations."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.exp(torch.randn(k, generator=g) * 2.0)
+    w[::97] = 0
+    return w
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("name", IQ4)
+def test_iq4_random_weights_byte_identical(ggml, name, path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setenv("HANZO_QUANT_NATIVE", "0")
+    for case, x in _cases().items():
+        if path == "torch":
+            x = x[:32]
+        for qw in (None, _imatrix_like(x.shape[1], x.shape[1])):
+            ours = hanzo_torch.quantize(x, name, quant_weights=qw)
+            bad, total = _compare(ours, ggml(x, name, qw), name)
+            assert bad == 0, f"{name} {case} weights={qw is not None}: {bad} of {total} blocks differ"
+
+
+@pytest.mark.parametrize("name", KQ)
+def test_weighted_kquants_random_byte_identical(ggml, name):
+    for case, x in _cases().items():
+        qw = _imatrix_like(x.shape[1], 7 * x.shape[1])
+        bad, total = _compare(hanzo_torch.quantize(x, name, quant_weights=qw), ggml(x, name, qw), name)
+        assert bad == 0, f"{name} {case} with weights: {bad} of {total} blocks differ"
+
+
+def test_real_weights_with_weights_byte_identical(ggml):
+    from conftest import real_model_path
+
+    f = hanzo_torch.GGUFFile(real_model_path())
+    for tname in ["blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.27.ffn_gate.weight"]:
+        if tname not in f.tensors:
+            continue
+        w = f.tensors[tname].dequantize().reshape(-1, f.tensors[tname].shape[-1])[:256].contiguous()
+        qw = _imatrix_like(w.shape[1], 3)
+        for name in KQ + IQ4:
+            for weights in (None, qw):
+                bad, total = _compare(hanzo_torch.quantize(w, name, quant_weights=weights), ggml(w, name, weights), name)
+                assert bad == 0, f"{tname} as {name} weights={weights is not None}: {bad} of {total} blocks differ"
 
 
 def test_real_weights_byte_identical(ggml):
