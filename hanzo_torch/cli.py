@@ -163,8 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(e.g. quantize in.gguf out.gguf Q4_K_M)")
     q.add_argument("input", help="GGUF file (any format hanzo-torch reads)")
     q.add_argument("output", help="output GGUF file (written to OUTPUT.tmp, then renamed)")
-    q.add_argument("type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16, F32")
+    q.add_argument("type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, IQ4_XS, IQ4_NL, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                "F16, BF16, F32")
     q.add_argument("nthreads", nargs="?", type=_positive_int, help="CPU threads (default: torch's)")
+    q.add_argument("--imatrix", metavar="FILE", help="importance matrix (llama-imatrix's GGUF or legacy .dat, or "
+                                                     "`hanzo-torch imatrix`'s) to weight the quantization with")
 
     c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3/Qwen3-MoE checkpoint (safetensors) to GGUF")
     c.add_argument("input", help="checkpoint folder (config.json, tokenizer.json, tokenizer_config.json, "
@@ -172,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", "--outfile", required=True, metavar="PATH", help="GGUF file (written atomically)")
     c.add_argument("--type", "--outtype", default="F16", help="F32, F16 (default), BF16, Q8_0, Q4_K_M, Q5_K_M, "
                                                               "Q6_K, or another llama-quantize type of `quantize`")
+    c.add_argument("--imatrix", metavar="FILE", help="importance matrix to weight the quantization with (as `quantize`)")
     return parser
 
 
@@ -638,13 +642,26 @@ def cmd_quantize(args) -> int:
         import torch
 
         torch.set_num_threads(args.nthreads)
+    imatrix = _load_imatrix_arg(args.imatrix)
     t0 = time.perf_counter()
     try:
-        plan = requantize(str(src), args.output, args.type)
+        plan = requantize(str(src), args.output, args.type, imatrix=imatrix)
     except ValueError as exc:
         _die(str(exc))
     _print_written(args.output, plan, time.perf_counter() - t0)
     return 0
+
+
+def _load_imatrix_arg(path: Optional[str]):
+    """``--imatrix FILE`` read before any long work; None without the flag."""
+    if path is None:
+        return None
+    from .imatrix import load_imatrix
+
+    try:
+        return load_imatrix(os.path.expanduser(path))
+    except (OSError, ValueError) as exc:  # GGUFError is a ValueError
+        _die(f"--imatrix: {exc}")
 
 
 def _print_written(path: str, plan: dict, seconds: float) -> None:
@@ -664,8 +681,9 @@ def cmd_convert(args) -> int:
 
     if args.type.upper() not in FTYPES:
         raise UsageError(f"unknown type {_esc(args.type)}; one of: {', '.join(FTYPES)}")
+    imatrix = _load_imatrix_arg(args.imatrix)
     t0 = time.perf_counter()
-    plan = convert(args.input, args.output, args.type, log=lambda line: _err(f"note: {_esc(line)}"))
+    plan = convert(args.input, args.output, args.type, log=lambda line: _err(f"note: {_esc(line)}"), imatrix=imatrix)
     _print_written(args.output, plan, time.perf_counter() - t0)
     return 0
 

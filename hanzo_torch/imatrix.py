@@ -61,13 +61,15 @@ class IMatrixEntry:
 class IMatrix:
     """An importance matrix: ``entries`` (weight name -> :class:`IMatrixEntry`), the calibration
     ``datasets`` (file names), ``chunk_count`` and ``chunk_size`` (tokens per chunk; 0 in a legacy
-    file), and whether it came from a ``legacy`` ``.dat`` file."""
+    file), whether it came from a ``legacy`` ``.dat`` file, and the ``path`` it was read from
+    (empty when built in memory)."""
 
     entries: dict = field(default_factory=dict)
     datasets: list = field(default_factory=list)
     chunk_count: int = 0
     chunk_size: int = 0
     legacy: bool = False
+    path: str = ""
 
     def weights(self, name: str) -> Optional[torch.Tensor]:
         """The importance weights of weight ``name`` as llama-quantize derives them: float32
@@ -110,9 +112,9 @@ def load_imatrix(path: PathLike) -> IMatrix:
         raise FileNotFoundError(f"{path}: no such imatrix file")
     with open(path, "rb") as fh:
         magic = fh.read(4)
-    if magic == b"GGUF":
-        return _load_gguf(path)
-    return _load_legacy(path)
+    m = _load_gguf(path) if magic == b"GGUF" else _load_legacy(path)
+    m.path = path
+    return m
 
 
 def _load_gguf(path: str) -> IMatrix:

@@ -191,11 +191,11 @@ def quantize_tensor(x: torch.Tensor, target: str, quant_weights: Optional[torch.
     return torch.stack(out).reshape(*x.shape[:-1], -1)
 
 
-def imatrix_metadata(imatrix, path: str) -> tuple[dict, dict]:
+def imatrix_metadata(imatrix) -> tuple[dict, dict]:
     """The ``quantize.imatrix.*`` keys llama-quantize writes into a file quantized with
-    ``imatrix`` (read from ``path``): values and their gguf types."""
+    ``imatrix``: values and their gguf types."""
     vt = gguf.GGUFValueType
-    meta = {"quantize.imatrix.file": os.fspath(path)[:127]}
+    meta = {"quantize.imatrix.file": imatrix.path[:127]}
     if imatrix.datasets:
         meta["quantize.imatrix.dataset"] = imatrix.datasets[0][:127]
     meta["quantize.imatrix.entries_count"] = len(imatrix.entries)
@@ -240,10 +240,8 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
         raise FileNotFoundError(f"{src}: no such file")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"output {dst} is the input file; write to another path")
-    imatrix_path = None
     if imatrix is not None and not isinstance(imatrix, IMatrix):
-        imatrix_path = os.fspath(imatrix)
-        imatrix = load_imatrix(imatrix_path)
+        imatrix = load_imatrix(imatrix)
     f = GGUFFile(src)
     infos = f.tensor_info
     arch = f.architecture
@@ -279,7 +277,7 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
     meta["general.quantization_version"] = gguf.GGML_QUANT_VERSION
     types["general.quantization_version"] = gguf.GGUFValueType.UINT32
     if imatrix is not None:
-        m, mt = imatrix_metadata(imatrix, imatrix_path or "")
+        m, mt = imatrix_metadata(imatrix)
         meta.update(m)
         types.update(mt)
 

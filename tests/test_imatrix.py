@@ -234,3 +234,23 @@ def test_requantize_imatrix_errors(f32_model, tmp_path):
     requantize(str(f32_model), str(b), "Q8_0", progress=False)
     fa, fb = hanzo_torch.GGUFFile(a), hanzo_torch.GGUFFile(b)
     assert all(torch.equal(fa.packed(n), fb.packed(n)) for n in fa.tensor_info)
+
+
+def test_cli_quantize_imatrix(f32_model, tmp_path, capsys):
+    from hanzo_torch import cli
+
+    p = tmp_path / "im.gguf"
+    save_imatrix(p, _model_imatrix(f32_model))
+    out = tmp_path / "o.gguf"
+    assert cli.main(["quantize", str(f32_model), str(out), "iq4_nl", "--imatrix", str(p)]) == 0
+    assert "IQ4_NL" in capsys.readouterr().out
+    assert hanzo_torch.GGUFFile(out).metadata["quantize.imatrix.file"] == str(p)
+    bad = tmp_path / "bad.dat"
+    bad.write_bytes(b"\0\0\0\0")
+    assert cli.main(["quantize", str(f32_model), str(tmp_path / "x.gguf"), "Q4_K_M", "--imatrix", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "--imatrix" in err and "entry count 0" in err
+    assert cli.main(["quantize", str(f32_model), str(tmp_path / "x.gguf"), "Q4_K_M", "--imatrix",
+                     str(tmp_path / "none.gguf")]) == 1
+    assert "no such imatrix file" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()
