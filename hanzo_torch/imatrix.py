@@ -26,13 +26,14 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 from .gguf_file import GGUFError
 
-__all__ = ["IMatrix", "IMatrixEntry", "load_imatrix", "save_imatrix"]
+__all__ = ["IMatrix", "IMatrixCollector", "IMatrixEntry", "compute_imatrix", "load_imatrix", "save_imatrix",
+           "save_imatrix_legacy"]
 
 PathLike = Union[str, os.PathLike]
 SUM_SUFFIX = ".in_sum2"
@@ -261,3 +262,217 @@ def save_imatrix(path: PathLike, imatrix: IMatrix) -> None:
             KEY_CHUNK_COUNT: int(imatrix.chunk_count), KEY_CHUNK_SIZE: int(imatrix.chunk_size)}
     types = {KEY_DATASETS: (vt.ARRAY, vt.STRING), KEY_CHUNK_COUNT: vt.UINT32, KEY_CHUNK_SIZE: vt.UINT32}
     save_gguf(path, tensors, meta, metadata_types=types)
+
+
+def save_imatrix_legacy(path: PathLike, imatrix: IMatrix) -> None:
+    """Write ``imatrix`` (raw sums) in llama-imatrix's legacy ``.dat`` form
+    (``--output-format dat``): per entry ``sum / count * ncall`` with ``ncall`` the chunks
+    covered (rounded up), 1 for an expert without data; entries without any data are left out.
+
+    Raises:
+        ValueError: a legacy-form matrix, or ``chunk_size`` not positive.
+    """
+    if imatrix.legacy:
+        raise ValueError("save_imatrix_legacy writes from raw sums; this matrix is already in the legacy form")
+    cs = int(imatrix.chunk_size)
+    if cs <= 0:
+        raise ValueError(f"chunk_size must be > 0 to write the legacy form, got {cs}")
+    names = sorted(n for n, e in imatrix.entries.items() if bool((torch.as_tensor(e.counts) > 0).any()))
+    out = [struct.pack("<i", len(names))]
+    for name in names:
+        e = imatrix.entries[name]
+        counts = torch.as_tensor(e.counts).reshape(-1).to(torch.int64)
+        sums = torch.as_tensor(e.sums, dtype=torch.float32).reshape(counts.numel(), -1)
+        ncall = (int(counts.max()) + cs - 1) // cs
+        c = counts.to(torch.float32).reshape(-1, 1)
+        vals = torch.where(c == 0, torch.ones_like(sums), sums / torch.where(c == 0, torch.ones_like(c), c)) * float(ncall)
+        nb = name.encode()
+        out += [struct.pack("<i", len(nb)), nb, struct.pack("<ii", ncall, vals.numel()),
+                vals.reshape(-1).numpy().astype("<f4").tobytes()]
+    ds = (imatrix.datasets[-1] if imatrix.datasets else "").encode()
+    out += [struct.pack("<ii", int(imatrix.chunk_count), len(ds)), ds]
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(b"".join(out))
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------- collection
+MIN_DENSE_ROWS = 16
+"""llama-imatrix skips a dense mat-mul of fewer input rows (tokens) than this."""
+
+
+class IMatrixCollector:
+    """Sums of squared activations per input column, and counts, for every mat-mul weight of a
+    :class:`~hanzo_torch.models.qwen.Transformer`, collected by module hooks while it runs.
+
+    Inside ``with IMatrixCollector(model) as c:`` every ``Linear`` / ``PackedLinear`` called as a
+    module adds its input rows (forward pre-hooks: the ``hanzo::mul_mat`` input), the fused
+    gate/up SwiGLU (``hanzo::swiglu_mul_mat``) adds its one input to both ``ffn_gate`` and
+    ``ffn_up``, and ``Experts`` / ``PackedExperts`` (``hanzo::mul_mat_id``) add each token's row to
+    each expert it is routed to (``x [T, in]``: the same row to its k experts; ``x [T, k, in]``:
+    row ``[t, j]`` to expert ``ids[t, j]``), counting per expert. Names are the GGUF tensor names
+    (``blk.3.ffn_up.weight``). As llama-imatrix: dense mat-muls of fewer than
+    :data:`MIN_DENSE_ROWS` rows are skipped, only ``blk.*`` weights are kept (and
+    ``output.weight`` with ``process_output``, when the file has it: a tied output is
+    ``token_embd.weight`` and is never collected). Sums are float32, as llama-imatrix keeps them.
+
+    Raises (on a collected call):
+        ValueError: a non-finite activation (naming the weight), as llama-imatrix refuses one.
+    """
+
+    def __init__(self, model, process_output: bool = False):
+        self.model = model
+        self.process_output = process_output
+        self.sums: dict = {}
+        self.counts: dict = {}
+        self._handles: list = []
+        self._patched: list = []
+        self._quiet = 0
+
+    def _add(self, name: str, rows: torch.Tensor, ids: Optional[torch.Tensor] = None, n_mat: int = 1) -> None:
+        k = rows.shape[-1]
+        if name not in self.sums:
+            self.sums[name] = torch.zeros(n_mat, k, dtype=torch.float32, device=rows.device)
+            self.counts[name] = torch.zeros(n_mat, dtype=torch.int64, device=rows.device)
+        sq = rows.reshape(-1, k).to(torch.float32).square()
+        if ids is None:
+            self.sums[name][0] += sq.sum(0)
+            self.counts[name][0] += sq.shape[0]
+            bad = not bool(torch.isfinite(self.sums[name]).all())
+        else:
+            idx = ids.reshape(-1).to(device=rows.device, dtype=torch.int64)
+            self.sums[name].index_add_(0, idx, sq)
+            self.counts[name] += torch.bincount(idx, minlength=n_mat)
+            bad = not bool(torch.isfinite(self.sums[name][idx.unique()]).all())
+        if bad:
+            raise ValueError(f"imatrix: non-finite activations at the input of {name}")
+
+    def _dense_hook(self, name: str):
+        def hook(module, args):
+            if self._quiet:
+                return
+            x = args[0]
+            if x.numel() // x.shape[-1] >= MIN_DENSE_ROWS:
+                self._add(name, x)
+        return hook
+
+    def _experts_hook(self, name: str, n_expert: int):
+        def hook(module, args):
+            x, ids = args[0], args[1]
+            rows = x.unsqueeze(1).expand(-1, ids.shape[-1], -1) if x.dim() == 2 else x  # [T, k, in]
+            self._add(name, rows, ids, n_mat=n_expert)
+        return hook
+
+    def _swiglu(self, gate_mod, gate: str, names: dict):
+        cls_swiglu = type(gate_mod).swiglu
+
+        def swiglu(up, x):
+            if not self._quiet and x.numel() // x.shape[-1] >= MIN_DENSE_ROWS:
+                self._add(gate, x)
+                if up in names:
+                    self._add(names[up], x)
+            self._quiet += 1  # a dense up projection calls the modules: not twice
+            try:
+                return cls_swiglu(gate_mod, up, x)
+            finally:
+                self._quiet -= 1
+        return swiglu
+
+    def __enter__(self) -> "IMatrixCollector":
+        from .models.layers import Experts, Linear
+
+        f = getattr(self.model, "gguf", None)
+        has_output = f is not None and "output.weight" in f.tensor_info
+        names = {}
+        for mname, mod in self.model.named_modules():
+            if isinstance(mod, (Linear, Experts)):
+                names[mod] = mname + ".weight"
+        for mod, name in names.items():
+            keep = name.startswith("blk.") or (self.process_output and has_output and name == "output.weight")
+            if not keep:
+                continue
+            if isinstance(mod, Experts):
+                hook = self._experts_hook(name, mod.weight.shape[0])
+            else:
+                hook = self._dense_hook(name)
+                if name.endswith(".ffn_gate.weight"):
+                    mod.swiglu = self._swiglu(mod, name, names)
+                    self._patched.append(mod)
+            self._handles.append(mod.register_forward_pre_hook(hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        for mod in self._patched:
+            del mod.swiglu
+        self._handles, self._patched = [], []
+
+    def result(self, chunk_size: int, datasets: Optional[list] = None) -> IMatrix:
+        """The sums and counts so far as an :class:`IMatrix` (``chunk_count``: the largest count
+        over ``chunk_size``, as llama-imatrix computes it)."""
+        entries = {n: IMatrixEntry(self.sums[n].cpu().clone(), self.counts[n].cpu().clone()) for n in sorted(self.sums)}
+        top = max((int(e.counts.max()) for e in entries.values()), default=0)
+        return IMatrix(entries, list(datasets or []), top // chunk_size if chunk_size else 0, chunk_size)
+
+
+def compute_imatrix(model, tokens, n_ctx: int = 512, n_chunks: Optional[int] = None, *, n_batch: int = 2048,
+                    n_ubatch: int = 512, process_output: bool = False, dataset: str = "",
+                    progress: Optional[Callable[[int, int], None]] = None) -> IMatrix:
+    """Run ``model`` over ``tokens`` in chunks as llama-imatrix does and collect its imatrix.
+
+    The tokens are cut into ``min(n_chunks, len // n_ctx)`` chunks of ``n_ctx``; each chunk is a
+    fresh sequence (positions from 0), its first token replaced by BOS when the tokenizer adds
+    one, fed in batches of ``min(n_batch, n_ctx)`` tokens that the model runs in pieces of
+    ``n_ubatch`` (llama.cpp's ``n_ubatch``). Logits are computed only for ``process_output``.
+
+    Args:
+        model: a loaded :class:`~hanzo_torch.models.qwen.Transformer`.
+        tokens: token ids (a list or a 1-D integer tensor), at least ``2 * n_ctx`` of them
+            (llama-imatrix's requirement).
+        dataset: the text file's name, stored in ``imatrix.datasets``.
+        progress: called with ``(chunk index, n_chunks)`` after each chunk.
+
+    Returns:
+        The :class:`IMatrix` (``chunk_size = n_ctx``).
+
+    Raises:
+        ValueError: fewer than ``2 * n_ctx`` tokens, ``n_ctx`` above the model's ``max_context``,
+            non-positive sizes, or non-finite activations.
+    """
+    ids = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+    for nm, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{nm} must be a positive int, got {v!r}")
+    if n_ctx > model.max_context:
+        raise ValueError(f"n_ctx {n_ctx} exceeds the model's max_context {model.max_context}")
+    if ids.numel() < 2 * n_ctx:
+        raise ValueError(f"the text tokenizes to {ids.numel()} tokens; a context of {n_ctx} needs at least {2 * n_ctx}")
+    n = ids.numel() // n_ctx
+    if n_chunks is not None and n_chunks >= 0:
+        n = min(n, n_chunks)
+    bos = None
+    tok = getattr(model, "_tokenizer", None) or (model.tokenizer if getattr(model, "gguf", None) is not None else None)
+    if tok is not None and tok.add_bos_token:
+        bos = tok.bos_token_id
+    step = min(n_batch, n_ctx)
+    saved_ubatch = model.ubatch
+    model.ubatch = n_ubatch
+    c = IMatrixCollector(model, process_output=process_output)
+    try:
+        with torch.inference_mode(), c:
+            for i in range(n):
+                chunk = ids[i * n_ctx:(i + 1) * n_ctx].clone()
+                if bos is not None:
+                    chunk[0] = bos
+                model.reset()
+                for j in range(0, n_ctx, step):
+                    model(chunk[j:j + step].unsqueeze(0), last_only=not process_output)
+                if progress is not None:
+                    progress(i + 1, n)
+    finally:
+        model.ubatch = saved_ubatch
+        model.reset()
+    return c.result(n_ctx, [dataset] if dataset else [])
