@@ -224,10 +224,15 @@ def test_requantize_imatrix_errors(f32_model, tmp_path):
     out = tmp_path / "o.gguf"
     with pytest.raises(ValueError, match=rf"imatrix entry 'blk.0.attn_q.weight' has {k + 32} values"):
         requantize(str(f32_model), str(out), "Q4_K_M", progress=False, imatrix=bad)
-    good = IMatrix({"blk.0.attn_q.weight": IMatrixEntry(torch.ones(1, k), torch.tensor([4]))}, ["t"], 1, 4)
-    with pytest.raises(ValueError, match="no importance-weighted Q5_0 quantizer"):
-        requantize(str(f32_model), str(out), "Q5_0", progress=False, imatrix=good)
     assert not out.exists()
+    good = IMatrix({"blk.0.attn_q.weight": IMatrixEntry(torch.ones(1, k), torch.tensor([4]))}, ["t"], 1, 4)
+    # Q5_0 with an imatrix: the weighted Q5_0 quantizer (2 layers: no Q5_1 ffn_down, n/8 = 0)
+    plan = requantize(str(f32_model), str(out), "Q5_0", progress=False, imatrix=good)
+    assert plan["blk.0.ffn_down.weight"] == plan["blk.0.attn_q.weight"] == "Q5_0"
+    x = f.tensors["blk.0.attn_q.weight"].dequantize()
+    want = hanzo_torch.quantize(x, "Q5_0", quant_weights=torch.ones(k))
+    assert torch.equal(hanzo_torch.GGUFFile(out).packed("blk.0.attn_q.weight").reshape(want.shape), want)
+    assert not torch.equal(want, hanzo_torch.quantize(x, "Q5_0"))
     # Q8_0 ignores importance weights in ggml: same bytes with and without
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     requantize(str(f32_model), str(a), "Q8_0", progress=False, imatrix=good)

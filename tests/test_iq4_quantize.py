@@ -15,10 +15,11 @@ from hanzo_torch.formats import _kquant_native, iq4_search, kquant_search
 
 IQ4 = ["IQ4_NL", "IQ4_XS"]
 KQ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]  # importance-weighted in the C kernel; unweighted: gguf's
 # relative RMS error of dequantize(quantize(x)) on Gaussian rows; measured 0.0775, 0.0783 with
 # and without weights: the bound leaves ~15 % room
 RMS_BOUND = {"IQ4_NL": 0.09, "IQ4_XS": 0.09, "Q2_K": 0.35, "Q3_K": 0.175, "Q4_K": 0.085, "Q5_K": 0.042,
-             "Q6_K": 0.021}
+             "Q6_K": 0.021, "Q4_0": 0.1, "Q4_1": 0.09, "Q5_0": 0.05, "Q5_1": 0.045}
 
 
 def _gen(tag: str) -> torch.Generator:
@@ -94,7 +95,7 @@ def test_zero_rows(name, monkeypatch):
             assert q[:, :2].tolist() == [[0, 0]] * q.shape[0]
 
 
-@pytest.mark.parametrize("name", IQ4 + KQ)
+@pytest.mark.parametrize("name", IQ4 + KQ + LEGACY)
 def test_deterministic(name):
     x = _mixed(8, 512, "det" + name)
     w = _weights(512, name)
@@ -113,7 +114,7 @@ def test_torch_version_chunking_invariant(name, monkeypatch):
     assert torch.equal(a, hanzo_torch.quantize(x, name))
 
 
-@pytest.mark.parametrize("name", IQ4 + KQ)
+@pytest.mark.parametrize("name", IQ4 + KQ + LEGACY)
 def test_weights_lower_the_error_where_they_are_large(name):
     """Columns with 100x the weight of the others come out more accurate than without weights."""
     _kernel()
@@ -152,14 +153,16 @@ def test_bad_weights_are_a_clear_error(name):
 
 
 def test_weights_on_a_format_without_a_weighted_quantizer():
-    with pytest.raises(NotImplementedError, match="Q4_0 with quant_weights"):
-        hanzo_torch.quantize(torch.randn(2, 64), "Q4_0", quant_weights=torch.ones(64))
+    with pytest.raises(NotImplementedError, match="Q8_0 with quant_weights"):
+        hanzo_torch.quantize(torch.randn(2, 64), "Q8_0", quant_weights=torch.ones(64))
 
 
 def test_weighted_kquant_without_the_kernel_names_the_switch(monkeypatch):
     monkeypatch.setenv("HANZO_QUANT_NATIVE", "0")
     with pytest.raises(NotImplementedError, match="Q4_K with quant_weights needs the C kernel.*HANZO_QUANT_NATIVE"):
         hanzo_torch.quantize(torch.randn(2, 256), "Q4_K", quant_weights=torch.ones(256))
+    with pytest.raises(NotImplementedError, match="Q5_1 with quant_weights needs the C kernel"):
+        hanzo_torch.quantize(torch.randn(2, 256), "Q5_1", quant_weights=torch.ones(256))
     # without weights the torch version still runs
     assert hanzo_torch.quantize(torch.randn(2, 256), "Q4_K").shape == (2, 144)
 

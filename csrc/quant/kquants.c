@@ -703,16 +703,61 @@ static void q5_k_any(const float *x, uint8_t *y, const float *qw) { if (qw) q5_k
 static void iq4_nl_block(const float *x, uint8_t *y, const float *qw) { iq4_block(32, x, y, qw); }
 static void iq4_xs_block(const float *x, uint8_t *y, const float *qw) { iq4_block(QK, x, y, qw); }
 
+/* ---- Q4_0 / Q4_1 / Q5_0 / Q5_1 with weights (ggml's quantize_row_q{4,5}_{0,1}_impl): one row of
+ * n values; sigma2 is the row's mean square (not a super-block's). type_id: 2, 3, 6, 7 ---- */
+static void legacy_row_w(int type_id, const float *x, uint8_t *y, int64_t n, const float *qw) {
+    float sum_x2 = 0;
+    for (int64_t j = 0; j < n; ++j) sum_x2 += x[j] * x[j];
+    float sigma2 = sum_x2 / n;
+    const int ts = type_id == 2 ? 18 : type_id == 3 ? 20 : type_id == 6 ? 22 : 24;
+    for (int64_t ib = 0; ib < n / 32; ++ib) {
+        const float *xb = x + 32 * ib, *q = qw + 32 * ib;
+        uint8_t *b = y + ib * ts, L[32];
+        float w[32];
+        for (int j = 0; j < 32; ++j) w[j] = q[j] * sqrtf(sigma2 + xb[j] * xb[j]);
+        int off = 2;
+        if (type_id == 2 || type_id == 6) {  /* symmetric: make_qx_quants, L = l + nmax */
+            int8_t Ls[32];
+            put_half(b, qx_rmse1(32, type_id == 2 ? 8 : 16, xb, Ls, w));
+            for (int j = 0; j < 32; ++j) L[j] = (uint8_t)Ls[j];
+        } else {  /* with a min: make_qkx3_quants */
+            float the_min;
+            put_half(b, qkx3(32, type_id == 3 ? 15 : 31, xb, w, L, &the_min, -0.9f, 0.05f, 36));
+            put_half(b + 2, -the_min);
+            off = 4;
+        }
+        if (type_id >= 6) {  /* the fifth bits: qh, little-endian uint32 */
+            uint32_t qh = 0;
+            for (int j = 0; j < 16; ++j) {
+                qh |= (uint32_t)((L[j] & 0x10u) >> 4) << j;
+                qh |= (uint32_t)((L[j + 16] & 0x10u) >> 4) << (j + 16);
+            }
+            for (int k = 0; k < 4; ++k) b[off + k] = (uint8_t)(qh >> (8 * k));
+            off += 4;
+        }
+        for (int j = 0; j < 16; ++j) b[off + j] = (uint8_t)((L[j] & 0x0F) | ((L[j + 16] & 0x0F) << 4));
+    }
+}
+
 typedef void (*block_fn)(const float *, uint8_t *, const float *);
 
 /* Quantize nrows rows of n_per_row floats at x into y, as ggml_quantize_chunk(type_id, ...) does:
- * type_id is ggml's (10..14: Q2_K..Q6_K, 20: IQ4_NL, 23: IQ4_XS); qw, when not NULL, holds
- * n_per_row importance weights shared by every row. Returns 0, -1 for an unknown type, -2 for a
- * row length that is not a block multiple. */
+ * type_id is ggml's (10..14: Q2_K..Q6_K, 20: IQ4_NL, 23: IQ4_XS; 2, 3, 6, 7: Q4_0, Q4_1, Q5_0,
+ * Q5_1 with weights only); qw, when not NULL, holds n_per_row importance weights shared by every
+ * row. Returns 0, -1 for an unknown type (or a legacy type without weights), -2 for a row length
+ * that is not a block multiple. */
 int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int64_t n_per_row,
                      const float *qw, int nthreads) {
     block_fn f;
     int bs = QK, ts;
+    if (type_id == 2 || type_id == 3 || type_id == 6 || type_id == 7) {
+        if (!qw) return -1;  /* without weights these are ggml's _ref quantizers, not here */
+        if (n_per_row <= 0 || n_per_row % 32) return -2;
+        int64_t rb = n_per_row / 32 * (type_id == 2 ? 18 : type_id == 3 ? 20 : type_id == 6 ? 22 : 24);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t r = 0; r < nrows; ++r) legacy_row_w(type_id, x + r * n_per_row, y + r * rb, n_per_row, qw);
+        return 0;
+    }
     switch (type_id) {
     case 10: f = q2_k_any; ts = 84; break;
     case 11: f = q3_k_any; ts = 110; break;

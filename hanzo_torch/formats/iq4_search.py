@@ -146,17 +146,18 @@ def _checked_weights(qw: torch.Tensor, k: int, name: str) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, name: str, quant_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Quantize rows ``x [rows, K]`` to ``name`` (``"IQ4_NL"``, ``"IQ4_XS"``, or a K-quant with
-    ``quant_weights``) as ``ggml_quantize_chunk`` does: ``uint8 [rows, K / block * type_size]``.
+    """Quantize rows ``x [rows, K]`` to ``name`` (``"IQ4_NL"``, ``"IQ4_XS"``, or a K-quant or
+    Q4_0/Q4_1/Q5_0/Q5_1 with ``quant_weights``) as ``ggml_quantize_chunk`` does:
+    ``uint8 [rows, K / block * type_size]``.
 
     ``quant_weights``: float32 ``[K]``, one importance weight per column (llama-quantize's
     per-tensor imatrix entry), or None.
 
     Raises:
         ValueError: ``x`` is not 2-D with K a block multiple, a non-finite value or weight.
-        NotImplementedError: K-quants with weights when the C kernel is unavailable
-            (``HANZO_QUANT_NATIVE=0``, no C compiler, a non-CPU tensor or EMULATE_FMA): the
-            torch version has no importance-weighted K-quant search.
+        NotImplementedError: K-quants and Q4_0..Q5_1 with weights when the C kernel is
+            unavailable (``HANZO_QUANT_NATIVE=0``, no C compiler, a non-CPU tensor or
+            EMULATE_FMA): the torch version has no importance-weighted search for them.
     """
     from . import get_format
     fmt = get_format(name)
@@ -171,6 +172,8 @@ def quantize_rows(x: torch.Tensor, name: str, quant_weights: Optional[torch.Tens
     qw = None if quant_weights is None else _checked_weights(quant_weights, k, name).to(x.device)
     if not x.shape[0]:
         return torch.empty(0, fmt.row_bytes(k), dtype=torch.uint8, device=x.device)
+    if qw is None and name in _kquant_native.WEIGHTED_ONLY:
+        return fmt.quantize_blocks(x.reshape(-1, bs)).reshape(x.shape[0], -1)
     if x.device.type == "cpu" and not kquant_search.EMULATE_FMA:
         out = _kquant_native.quantize_rows(blocks, name, qw)
         if out is not None:
@@ -181,7 +184,7 @@ def quantize_rows(x: torch.Tensor, name: str, quant_weights: Optional[torch.Tens
         raise NotImplementedError(
             f"{name} with quant_weights needs the C kernel (csrc/quant/kquants.c on a CPU tensor, "
             f"HANZO_QUANT_NATIVE not 0, kquant_search.EMULATE_FMA False): the torch version has no "
-            f"importance-weighted K-quant search" + (f"; the kernel failed to build: {_kquant_native.error()}"
+            f"importance-weighted search for {name}" + (f"; the kernel failed to build: {_kquant_native.error()}"
                                                       if _kquant_native.error() else ""))
     fn = _torch_nl if name == "IQ4_NL" else _torch_xs
     nb = k // bs
