@@ -163,8 +163,30 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(e.g. quantize in.gguf out.gguf Q4_K_M)")
     q.add_argument("input", help="GGUF file (any format hanzo-torch reads)")
     q.add_argument("output", help="output GGUF file (written to OUTPUT.tmp, then renamed)")
-    q.add_argument("type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16, F32")
+    q.add_argument("type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, IQ4_XS, IQ4_NL, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                "F16, BF16, F32")
     q.add_argument("nthreads", nargs="?", type=_positive_int, help="CPU threads (default: torch's)")
+    q.add_argument("--imatrix", metavar="FILE", help="importance matrix (llama-imatrix's GGUF or legacy .dat, or "
+                                                     "`hanzo-torch imatrix`'s) to weight the quantization with")
+
+    im = sub.add_parser("imatrix", help="compute an importance matrix over a text (llama-imatrix's flags and GGUF "
+                                         "format), for quantize --imatrix")
+    _add_debug(im, argparse.SUPPRESS)
+    _add_model_args(im)
+    im.add_argument("-f", "--file", required=True, metavar="PATH", help="calibration text file")
+    im.add_argument("-o", "--output", "--output-file", default="imatrix.gguf", metavar="PATH",
+                    help="output file (default imatrix.gguf)")
+    im.add_argument("-c", "--ctx-size", type=_positive_int, default=512, metavar="N", help="tokens per chunk (default 512)")
+    im.add_argument("--chunks", type=int, default=-1, metavar="N", help="chunks to process (default -1: all)")
+    im.add_argument("-b", "--batch-size", type=_positive_int, default=2048, metavar="N",
+                    help="tokens per model call (default 2048; a chunk of -c tokens is fed in calls of at most this)")
+    im.add_argument("-ub", "--ubatch-size", type=_positive_int, default=512, metavar="N",
+                    help="tokens per pass through the layers (default 512)")
+    im.add_argument("--process-output", action="store_true", help="collect output.weight too (default: blk.* only)")
+    im.add_argument("--output-format", choices=("gguf", "dat"), default=None,
+                    help="gguf (default) or the legacy dat")
+    im.add_argument("--no-ppl", action="store_true", help="accepted for llama-imatrix compatibility: no perplexity "
+                                                          "is computed either way")
 
     c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3/Qwen3-MoE checkpoint (safetensors) to GGUF")
     c.add_argument("input", help="checkpoint folder (config.json, tokenizer.json, tokenizer_config.json, "
@@ -172,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", "--outfile", required=True, metavar="PATH", help="GGUF file (written atomically)")
     c.add_argument("--type", "--outtype", default="F16", help="F32, F16 (default), BF16, Q8_0, Q4_K_M, Q5_K_M, "
                                                               "Q6_K, or another llama-quantize type of `quantize`")
+    c.add_argument("--imatrix", metavar="FILE", help="importance matrix to weight the quantization with (as `quantize`)")
     return parser
 
 
@@ -638,13 +661,26 @@ def cmd_quantize(args) -> int:
         import torch
 
         torch.set_num_threads(args.nthreads)
+    imatrix = _load_imatrix_arg(args.imatrix)
     t0 = time.perf_counter()
     try:
-        plan = requantize(str(src), args.output, args.type)
+        plan = requantize(str(src), args.output, args.type, imatrix=imatrix)
     except ValueError as exc:
         _die(str(exc))
     _print_written(args.output, plan, time.perf_counter() - t0)
     return 0
+
+
+def _load_imatrix_arg(path: Optional[str]):
+    """``--imatrix FILE`` read before any long work; None without the flag."""
+    if path is None:
+        return None
+    from .imatrix import load_imatrix
+
+    try:
+        return load_imatrix(os.path.expanduser(path))
+    except (OSError, ValueError) as exc:  # GGUFError is a ValueError
+        _die(f"--imatrix: {exc}")
 
 
 def _print_written(path: str, plan: dict, seconds: float) -> None:
@@ -664,9 +700,47 @@ def cmd_convert(args) -> int:
 
     if args.type.upper() not in FTYPES:
         raise UsageError(f"unknown type {_esc(args.type)}; one of: {', '.join(FTYPES)}")
+    imatrix = _load_imatrix_arg(args.imatrix)
     t0 = time.perf_counter()
-    plan = convert(args.input, args.output, args.type, log=lambda line: _err(f"note: {_esc(line)}"))
+    plan = convert(args.input, args.output, args.type, log=lambda line: _err(f"note: {_esc(line)}"), imatrix=imatrix)
     _print_written(args.output, plan, time.perf_counter() - t0)
+    return 0
+
+
+def cmd_imatrix(args) -> int:
+    from .imatrix import compute_imatrix, save_imatrix, save_imatrix_legacy
+
+    text_path = Path(args.file).expanduser()
+    try:
+        text = text_path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        _die(f"cannot read {_esc(args.file)}: {exc.strerror or exc}")
+    out_dir = Path(args.output).expanduser().resolve().parent
+    if not out_dir.is_dir():
+        _die(f"no such folder for the output: {_esc(str(out_dir))}")
+    _set_threads(args)
+    model, path, load_s = _load(args, max_context=args.ctx_size)
+    tokens = model.tokenizer.encode(text)
+    if len(tokens) < 2 * args.ctx_size:
+        _die(f"{_esc(args.file)} tokenizes to {len(tokens)} tokens; -c {args.ctx_size} needs at least "
+             f"{2 * args.ctx_size}")
+    n = len(tokens) // args.ctx_size if args.chunks < 0 else min(args.chunks, len(tokens) // args.ctx_size)
+    _err(f"model {path.name} loaded in {load_s:.2f} s; {len(tokens)} tokens, {n} chunks of {args.ctx_size}")
+    t0 = time.perf_counter()
+
+    def progress(i, total):
+        _err(f"chunk {i}/{total}: {time.perf_counter() - t0:.1f} s")
+
+    try:
+        m = compute_imatrix(model, tokens, args.ctx_size, args.chunks, n_batch=args.batch_size,
+                            n_ubatch=args.ubatch_size, process_output=args.process_output, dataset=args.file,
+                            progress=progress)
+    except ValueError as exc:
+        _die(str(exc))
+    fmt = args.output_format or "gguf"  # as llama-imatrix: the suffix does not choose
+    (save_imatrix if fmt == "gguf" else save_imatrix_legacy)(args.output, m)
+    print(f"wrote {_esc(args.output)}: {len(m)} entries over {m.chunk_count} chunks of {args.ctx_size} tokens "
+          f"in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -718,7 +792,8 @@ def cmd_serve(args) -> int:
 
 
 _COMMANDS = {"generate": cmd_generate, "pull": cmd_pull, "inspect": cmd_inspect, "bench": cmd_bench,
-             "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize, "convert": cmd_convert}
+             "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize, "convert": cmd_convert,
+             "imatrix": cmd_imatrix}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

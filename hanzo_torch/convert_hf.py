@@ -442,7 +442,7 @@ def _split_regex(pre) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------- convert
 def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: str = "F16", *,
-            progress: bool = True, log: Optional[Callable[[str], None]] = None) -> dict[str, str]:
+            progress: bool = True, log: Optional[Callable[[str], None]] = None, imatrix=None) -> dict[str, str]:
     """Convert a Hugging Face Qwen2 / Qwen3 / Qwen3-MoE checkpoint to a GGUF file.
 
     Args:
@@ -456,6 +456,8 @@ def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: st
             :data:`hanzo_torch.requantize.FTYPES`.
         progress: a tqdm bar over the tensors on stderr.
         log: called with one line per type fallback (a row length that is not a block multiple).
+        imatrix: an importance matrix (a path or an :class:`~hanzo_torch.imatrix.IMatrix`), used
+            as :func:`hanzo_torch.requantize.requantize` uses it (llama-quantize ``--imatrix``).
 
     Returns:
         GGUF tensor name -> ggml type written, in file order.
@@ -466,11 +468,13 @@ def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: st
             shape or dtype, a tokenizer that is not Qwen's byte-level BPE; each names the file and
             the key or tensor.
         FileNotFoundError: ``src``, config.json, tokenizer.json or tokenizer_config.json missing.
+        ValueError / GGUFError: a bad imatrix file, or an entry of the wrong size (named).
         All are raised before ``out`` is created.
     """
-    from . import quantize
     from .formats import get_format
-    from .requantize import FTYPES, _State, _quantizable, tensor_type
+    from .imatrix import IMatrix, load_imatrix
+    from .requantize import (FTYPES, _State, _check_weighted, _quantizable, imatrix_metadata, imatrix_weights,
+                             quantize_tensor, tensor_type)
 
     key = str(type).upper()
     if key not in FTYPES:
@@ -483,12 +487,16 @@ def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: st
         raise FileNotFoundError(f"{out.parent}: no such folder for the output")
     if out.is_dir():
         raise ConvertError(f"output {out} is a folder; give a file path")
+    if imatrix is not None and not isinstance(imatrix, IMatrix):
+        imatrix = load_imatrix(imatrix)
     hp = _read_config(folder)
     tokens, token_types, special = _tokenizer(folder, hp.vocab_size)
     ckpt = _Checkpoint(files)
     sources = _plan_sources(ckpt, hp, folder)
 
-    state = _State(n_layer=hp.n_layer, n_attn_v=hp.n_layer, tied=hp.tied, n_expert=hp.n_expert)
+    state = _State(n_layer=hp.n_layer, n_attn_v=hp.n_layer, tied=hp.tied, n_expert=hp.n_expert,
+                   n_gqa=hp.n_head // max(1, hp.n_head_kv), has_imatrix=imatrix is not None)
+    weights = {}
     base = FTYPES[key][0]
     plan: dict[str, str] = {}
     for s in sources:
@@ -496,6 +504,10 @@ def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: st
         if t not in ("F32", "F16", "BF16") and get_format(t).quantize_blocks is None:
             raise ConvertError(f"tensor {s.name!r}: hanzo-torch cannot quantize to {t}")
         plan[s.name] = t
+        if t not in _TORCH_DTYPES:
+            weights[s.name] = imatrix_weights(imatrix, s.name, tuple(s.shape))
+            if weights[s.name] is not None:
+                _check_weighted(s.name, t)
         if log is not None and _quantizable(s.name, len(s.shape)) and base not in _TORCH_DTYPES:
             bs = get_format(base).block_size
             if s.shape[-1] % bs:
@@ -504,6 +516,10 @@ def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: st
 
     w = gguf.GGUFWriter(None, hp.arch)
     _add_metadata(w, hp, FTYPES[key][1])
+    if imatrix is not None:
+        meta, types = imatrix_metadata(imatrix)
+        for k, v in meta.items():
+            w.add_key_value(k, v, types[k])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
@@ -540,7 +556,7 @@ def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: st
             elif t == "BF16":
                 data = x.to(torch.bfloat16).view(torch.int16).numpy()
             else:
-                data = quantize(x.reshape(-1, x.shape[-1]), t).numpy()
+                data = quantize_tensor(x, t, weights.get(s.name)).reshape(-1, get_format(t).row_bytes(x.shape[-1])).numpy()
             w.write_tensor_data(data)
             del x, data
             if bar is not None:

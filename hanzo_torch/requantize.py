@@ -1,10 +1,15 @@
 """Requantize a GGUF file to another type: ``hanzo-torch quantize in.gguf out.gguf Q4_K_M``.
 
 The command shape and the per-tensor type choices are llama-quantize's (``llama_tensor_get_type``
-in llama.cpp's ``src/llama-quant.cpp``, without an importance matrix). A tensor whose
+in llama.cpp's ``src/llama-quant.cpp``, with or without an importance matrix). A tensor whose
 type changes is dequantized to float32 from whatever format hanzo-torch reads and quantized with
-:func:`hanzo_torch.quantize` (K-quants: ggml's reference quantizers, byte-identical to ggml's);
-a tensor already of its chosen type is copied byte for byte, as llama-quantize does.
+:func:`hanzo_torch.quantize` (K-quants, IQ4_NL, IQ4_XS: byte-identical to ggml's
+``ggml_quantize_chunk``); a tensor already of its chosen type is copied byte for byte, as
+llama-quantize does.
+
+With an importance matrix (``imatrix=``, :mod:`hanzo_torch.imatrix`) each quantized tensor that
+has an entry is quantized with that entry's per-column weights (per expert for stacked experts),
+as llama-quantize ``--imatrix`` does; a tensor without one is quantized without weights.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from typing import Callable, Optional
 import gguf
 import torch
 
-__all__ = ["FTYPES", "requantize", "tensor_type"]
+__all__ = ["FTYPES", "quantize_tensor", "requantize", "tensor_type"]
 
 # llama-quantize's file types: the default tensor type and the ``general.file_type`` value
 FTYPES: dict[str, tuple[str, int]] = {
@@ -33,10 +38,15 @@ FTYPES: dict[str, tuple[str, int]] = {
     "Q5_K_S": ("Q5_K", int(gguf.LlamaFileType.MOSTLY_Q5_K_S)),
     "Q5_K_M": ("Q5_K", int(gguf.LlamaFileType.MOSTLY_Q5_K_M)),
     "Q6_K": ("Q6_K", int(gguf.LlamaFileType.MOSTLY_Q6_K)),
+    "IQ4_NL": ("IQ4_NL", int(gguf.LlamaFileType.MOSTLY_IQ4_NL)),
+    "IQ4_XS": ("IQ4_XS", int(gguf.LlamaFileType.MOSTLY_IQ4_XS)),
 }
 _DENSE = ("F32", "F16", "BF16")
 # llama-quantize's fallback when a row length is not a multiple of the block size
-_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+_IQ4 = ("IQ4_NL", "IQ4_XS")
+# ggml's quantizers that take no importance weights (``quantize_q8_0`` etc. ignore them)
+_IGNORE_WEIGHTS = ("Q8_0", "MXFP4", "TQ1_0", "TQ2_0")
 
 
 def _category(name: str) -> str:
@@ -69,6 +79,8 @@ class _State:
     n_attn_v: int
     tied: bool
     n_expert: int = 0
+    n_gqa: int = 1
+    has_imatrix: bool = False
     i_attn_v: int = 0
     i_ffn_down: int = 0
 
@@ -98,7 +110,9 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
             t = "Q6_K"
     elif cat in ("attn_v", "attn_qkv"):
         i_v = _layer(name, state.i_attn_v)
-        if ftype in ("Q4_K_M", "Q5_K_M") and _more_bits(i_v, state.n_attn_v):
+        if ftype in _IQ4 and state.n_gqa >= 4:
+            t = "Q5_K"
+        elif ftype in ("Q4_K_M", "Q5_K_M") and _more_bits(i_v, state.n_attn_v):
             t = "Q6_K"
         elif ftype == "Q4_K_S" and i_v < 4:
             t = "Q5_K"
@@ -109,15 +123,19 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
         if state.n_expert == 8:
             t = "Q8_0"
     elif cat == "attn_output":
-        if state.n_expert == 8 and ftype in ("Q4_K_S", "Q4_K_M"):
+        if state.n_expert == 8 and ftype in ("Q4_K_S", "Q4_K_M", *_IQ4):
             t = "Q5_K"
     elif cat == "ffn_down":
         i_layer = _layer(name, state.i_ffn_down)
         n = state.n_layer
         if ftype in ("Q4_K_M", "Q5_K_M") and _more_bits(i_layer, n):
             t = "Q6_K"
+        elif ftype in _IQ4 and i_layer < n // 8 and not state.has_imatrix:
+            t = "Q5_K"
         elif ftype == "Q4_K_S" and i_layer < n // 8:
             t = "Q5_K"
+        elif ftype in ("Q4_0", "Q5_0") and state.has_imatrix and i_layer < n // 8:
+            t = "Q4_1" if ftype == "Q4_0" else "Q5_1"
         state.i_ffn_down += 1
     from .formats import get_format
     if ncols % get_format(t).block_size:
@@ -127,27 +145,92 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
     return t
 
 
+def imatrix_weights(imatrix, name: str, shape: tuple) -> Optional[torch.Tensor]:
+    """The importance weights llama-quantize uses for tensor ``name`` of torch-order ``shape``
+    (``[N, K]`` or stacked experts ``[E, N, K]``): float32 ``[E, K]`` (E = 1 for a matrix), or
+    None when ``imatrix`` (an :class:`~hanzo_torch.imatrix.IMatrix` or None) has no entry.
+
+    Raises:
+        ValueError: the entry's size is not ``E * K`` (llama-quantize refuses that too, except
+            for ``token_embd.weight``, which is then quantized without weights).
+    """
+    if imatrix is None:
+        return None
+    w = imatrix.weights(name)
+    if w is None:
+        return None
+    k = shape[-1]
+    n_mat = shape[0] if len(shape) == 3 else 1
+    if w.numel() != k * n_mat:
+        if name == "token_embd.weight":
+            return None
+        raise ValueError(f"imatrix entry {name!r} has {w.numel()} values, the tensor {list(shape)} needs "
+                         f"{k * n_mat} ({n_mat} x {k}): the imatrix was made for another model")
+    return w.reshape(n_mat, k)
+
+
+def _check_weighted(name: str, target: str) -> None:
+    from .formats import get_format
+    if target in _DENSE or target in _IGNORE_WEIGHTS:
+        return
+    if get_format(target).quantize_weighted is None:
+        raise ValueError(f"tensor {name!r}: hanzo-torch has no importance-weighted {target} quantizer "
+                         f"(ggml's quantize_{target.lower()} uses the imatrix); quantize without --imatrix")
+
+
+def quantize_tensor(x: torch.Tensor, target: str, quant_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Quantize a float tensor ``[..., K]`` (``[E, N, K]``: stacked experts) to ``target`` as
+    llama-quantize does: ``uint8 [..., row_bytes]``. ``quant_weights``: float32 ``[E, K]`` (see
+    :func:`imatrix_weights`; expert ``e``'s rows take row ``e``), or None; formats whose ggml
+    quantizer ignores weights (Q8_0, MXFP4, TQ1_0, TQ2_0) are quantized without them."""
+    from . import quantize
+    if quant_weights is None or target in _IGNORE_WEIGHTS:
+        return quantize(x.reshape(-1, x.shape[-1]), target).reshape(*x.shape[:-1], -1)
+    mats = x.reshape(quant_weights.shape[0], -1, x.shape[-1])
+    out = [quantize(mats[e], target, quant_weights=quant_weights[e]) for e in range(mats.shape[0])]
+    return torch.stack(out).reshape(*x.shape[:-1], -1)
+
+
+def imatrix_metadata(imatrix) -> tuple[dict, dict]:
+    """The ``quantize.imatrix.*`` keys llama-quantize writes into a file quantized with
+    ``imatrix``: values and their gguf types."""
+    vt = gguf.GGUFValueType
+    meta = {"quantize.imatrix.file": imatrix.path[:127]}
+    if imatrix.datasets:
+        meta["quantize.imatrix.dataset"] = imatrix.datasets[0][:127]
+    meta["quantize.imatrix.entries_count"] = len(imatrix.entries)
+    if imatrix.chunk_count > 0:
+        meta["quantize.imatrix.chunks_count"] = imatrix.chunk_count
+    return meta, {k: vt.STRING if isinstance(v, str) else vt.UINT32 for k, v in meta.items()}
+
+
 def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
-               log: Optional[Callable[[str], None]] = None) -> dict[str, str]:
+               log: Optional[Callable[[str], None]] = None, imatrix=None) -> dict[str, str]:
     """Requantize GGUF ``src`` to ``dst`` with llama-quantize's recipe for ``ftype``.
 
     Args:
         src: a GGUF file hanzo-torch reads (any of its formats).
         dst: output path; written to ``dst + ".tmp"`` and renamed, so it never holds a partial file.
-        ftype: a key of :data:`FTYPES` (``"Q4_K_M"``, ``"Q8_0"``, ...), case-insensitive.
+        ftype: a key of :data:`FTYPES` (``"Q4_K_M"``, ``"IQ4_XS"``, ``"Q8_0"``, ...), case-insensitive.
         progress: a tqdm bar per tensor on stderr.
+        imatrix: an importance matrix: a path (GGUF or legacy ``.dat``, see
+            :func:`hanzo_torch.imatrix.load_imatrix`) or an :class:`~hanzo_torch.imatrix.IMatrix`;
+            llama-quantize ``--imatrix``'s type choices and weights, and its ``quantize.imatrix.*``
+            keys in the output.
 
     Returns:
         ``tensor name -> ggml type`` written.
 
     Raises:
-        ValueError: unknown ``ftype``, ``src`` equal to ``dst``, or a tensor hanzo-torch cannot
-            read or quantize (named), all before anything is written.
-        FileNotFoundError / GGUFError: ``src`` is missing or not a GGUF file.
+        ValueError: unknown ``ftype``, ``src`` equal to ``dst``, a tensor hanzo-torch cannot
+            read or quantize (named), an imatrix entry of the wrong size or a target with no
+            importance-weighted quantizer here (Q4_0, Q4_1, Q5_0, Q5_1), all before anything is
+            written.
+        FileNotFoundError / GGUFError: ``src`` (or the imatrix file) is missing or malformed.
     """
-    from . import quantize
     from .formats import get_format
     from .gguf_file import GGUFFile, save_gguf
+    from .imatrix import IMatrix, load_imatrix
     from .tensor import GGUFTensor
 
     key = ftype.upper()
@@ -157,6 +240,8 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
         raise FileNotFoundError(f"{src}: no such file")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"output {dst} is the input file; write to another path")
+    if imatrix is not None and not isinstance(imatrix, IMatrix):
+        imatrix = load_imatrix(imatrix)
     f = GGUFFile(src)
     infos = f.tensor_info
     arch = f.architecture
@@ -164,7 +249,8 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
     names = list(infos)
     state = _State(n_layer=n_layer, n_attn_v=sum(_category(n) in ("attn_v", "attn_qkv") for n in names),
                    tied="output.weight" not in infos,
-                   n_expert=int(f.metadata.get(f"{arch}.expert_count", 0)) if arch else 0)
+                   n_expert=int(f.metadata.get(f"{arch}.expert_count", 0)) if arch else 0,
+                   n_gqa=_n_gqa(f.metadata, arch), has_imatrix=imatrix is not None)
     plan = {}
     for name in names:
         info = infos[name]
@@ -174,6 +260,12 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
         plan[name] = tensor_type(name, tuple(info.shape), src_type, key, state)
         if plan[name] != src_type and get_format(plan[name]).quantize_blocks is None:
             raise ValueError(f"tensor {name!r}: hanzo-torch cannot quantize to {plan[name]}")
+    weights = {}
+    for name in names:
+        if plan[name] != get_format(infos[name].qtype).name and plan[name] not in _DENSE:
+            weights[name] = imatrix_weights(imatrix, name, tuple(infos[name].shape))
+            if weights[name] is not None:
+                _check_weighted(name, plan[name])
 
     meta = dict(f.metadata)
     types = {}
@@ -184,6 +276,10 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
     types["general.file_type"] = gguf.GGUFValueType.UINT32
     meta["general.quantization_version"] = gguf.GGML_QUANT_VERSION
     types["general.quantization_version"] = gguf.GGUFValueType.UINT32
+    if imatrix is not None:
+        m, mt = imatrix_metadata(imatrix)
+        meta.update(m)
+        types.update(mt)
 
     bar = None
     if progress:
@@ -203,8 +299,8 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
                 if target in _DENSE:
                     out[name] = dense.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[target])
                 else:
-                    packed = quantize(dense.reshape(-1, dense.shape[-1]), target)
-                    out[name] = GGUFTensor(packed.reshape(*dense.shape[:-1], -1), target, tuple(dense.shape))
+                    packed = quantize_tensor(dense, target, weights.get(name))
+                    out[name] = GGUFTensor(packed, target, tuple(dense.shape))
             if bar is not None:
                 bar.update(1)
     finally:
@@ -214,6 +310,17 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
     if log is not None:
         log(f"wrote {dst}: {len(out)} tensors")
     return plan
+
+
+def _n_gqa(metadata, arch: Optional[str]) -> int:
+    """llama.cpp's ``n_gqa()`` (of layer 0): attention heads per KV head; 1 when unknown."""
+    if not arch:
+        return 1
+    def first(v):
+        return int(v[0]) if isinstance(v, (list, tuple)) and v else int(v or 0)
+    n_head = first(metadata.get(f"{arch}.attention.head_count", 0))
+    n_kv = first(metadata.get(f"{arch}.attention.head_count_kv", n_head))
+    return n_head // n_kv if n_head and n_kv else 1
 
 
 def _known(qtype) -> bool:

@@ -515,3 +515,77 @@ def test_same_file_as_convert_hf_to_gguf(arch, ftype, tmp_path):
     for name, info in b.tensor_info.items():
         assert (a.tensor_info[name].qtype, tuple(a.tensor_info[name].shape)) == (info.qtype, tuple(info.shape)), name
         assert torch.equal(a.packed(name), b.packed(name)), name
+
+
+# --------------------------------------------------------------------------------------------- imatrix
+def _random_imatrix(gguf_path, seed: int = 5):
+    """An imatrix for every ``blk.*`` matrix of ``gguf_path`` (per expert for ``*_exps``: one
+    expert never routed to), as llama-imatrix would write it."""
+    from hanzo_torch.imatrix import IMatrix, IMatrixEntry
+
+    g = torch.Generator().manual_seed(seed)
+    ents = {}
+    for n, i in hanzo_torch.GGUFFile(str(gguf_path)).tensor_info.items():
+        if not n.startswith("blk.") or len(i.shape) < 2 or "gate_inp" in n:
+            continue
+        e = i.shape[0] if len(i.shape) == 3 else 1
+        counts = torch.randint(1, 64, (e,), generator=g)
+        if e > 1:
+            counts[1] = 0
+        ents[n] = IMatrixEntry(torch.rand(e, i.shape[-1], generator=g).pow(3) * counts[:, None] * 4, counts)
+    return IMatrix(ents, ["calib.txt"], 2, 32)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe"])
+def test_conversion_with_imatrix(zoo, arch, tmp_path):
+    from hanzo_torch.imatrix import save_imatrix
+
+    folder, model, _ = zoo.get(arch)
+    im = _random_imatrix(zoo.f32(arch))
+    path = tmp_path / "im.gguf"
+    save_imatrix(path, im)
+    out = tmp_path / "q.gguf"
+    plan = convert(folder, out, "Q4_K_M", progress=False, imatrix=str(path))
+    rq = tmp_path / "rq.gguf"
+    assert requantize(str(zoo.f32(arch)), str(rq), "Q4_K_M", progress=False, imatrix=im) == plan
+    f, g = hanzo_torch.GGUFFile(str(out)), hanzo_torch.GGUFFile(str(rq))
+    for name in plan:
+        assert torch.equal(f.packed(name), g.packed(name)), name
+    assert f.metadata["quantize.imatrix.entries_count"] == len(im)
+    # each expert quantized with its own weights (the expert never routed to: weights 1)
+    name = "blk.0.ffn_up_exps.weight"
+    x = hanzo_torch.GGUFFile(str(zoo.f32(arch))).tensors[name].dequantize()
+    w = im.weights(name).reshape(x.shape[0], -1)
+    assert torch.equal(w[1], torch.ones_like(w[1]))
+    for e in range(x.shape[0]):
+        want = hanzo_torch.quantize(x[e], plan[name], quant_weights=w[e])
+        assert torch.equal(f.packed(name)[e].reshape(want.shape), want), e
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "IQ4_XS", "IQ4_NL", "Q5_K_M"])
+def test_llama_quantize_imatrix_byte_identical(zoo, arch, ftype, tmp_path):
+    """``llama-quantize --imatrix`` of the F32 conversion equals ``convert(..., imatrix=)``: types,
+    bytes of every tensor and the ``quantize.imatrix.*`` keys (HANZO_LLAMA_BIN as above)."""
+    from hanzo_torch.imatrix import save_imatrix
+
+    bin_dir = _llama_bin()
+    if bin_dir is None or not (bin_dir / "llama-quantize").is_file():
+        pytest.skip("set HANZO_LLAMA_BIN to a llama.cpp build's bin folder holding llama-quantize")
+    folder, _, _ = zoo.get(arch)
+    im_path = tmp_path / "im.gguf"
+    save_imatrix(im_path, _random_imatrix(zoo.f32(arch)))
+    ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    convert(folder, ours, ftype, progress=False, imatrix=str(im_path))
+    proc = subprocess.run([str(bin_dir / "llama-quantize"), "--imatrix", str(im_path), str(zoo.f32(arch)), str(theirs),
+                           ftype, "2"], capture_output=True, text=True,
+                          env=dict(os.environ, LD_LIBRARY_PATH=str(bin_dir)), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = hanzo_torch.GGUFFile(str(ours)), hanzo_torch.GGUFFile(str(theirs))
+    assert {n: i.qtype for n, i in a.tensor_info.items()} == {n: i.qtype for n, i in b.tensor_info.items()}
+    bad = [n for n in a.tensor_info if not torch.equal(a.packed(n), b.packed(n))]
+    assert bad == [], bad
+    for k in ("quantize.imatrix.file", "quantize.imatrix.dataset", "quantize.imatrix.entries_count",
+              "quantize.imatrix.chunks_count"):
+        assert a.metadata[k] == b.metadata[k], k

@@ -31,6 +31,7 @@ OURS = [n for n in NAMES if n in hanzo_torch.FORMATS]
 F16_SCALED = [n for n in OURS if field_kinds(n) <= {"f16", "f16_iq1m"}]  # fp16 d (IQ1_M's split in nibbles)
 BYTE_SCALED = [n for n in OURS if field_kinds(n) <= {"e8m0", "ue4m3"}]  # every byte a finite scale
 QUANTIZERS = ["TQ1_0", "TQ2_0", "MXFP4"]
+GGML_QUANTIZERS = ["IQ4_NL", "IQ4_XS"]  # no gguf quantizer: gated against ggml (tests/test_iq4_quantize.py)
 
 # fp16 bit patterns: the finite extremes of format_utils (max, -max, smallest subnormal of
 # both signs, smallest normal, zero), and 1.0, -0.0, +inf, NaN (two payloads)
@@ -55,7 +56,7 @@ def test_all_formats_registered_with_gguf_sizes():
         qtype = GGMLQuantizationType[name]
         assert (fmt.type_id, fmt.block_size, fmt.type_size) == (int(qtype), *GGML_QUANT_SIZES[qtype])
         assert get_format(int(qtype)) is fmt
-        assert (fmt.quantize_blocks is not None) == (name in QUANTIZERS)
+        assert (fmt.quantize_blocks is not None) == (name in QUANTIZERS or name in GGML_QUANTIZERS)
 
 
 @pytest.mark.parametrize("device", DEVICES)

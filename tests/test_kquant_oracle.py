@@ -20,6 +20,8 @@ import torch
 import hanzo_torch
 
 KQ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+IQ4 = ["IQ4_NL", "IQ4_XS"]
+LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +36,13 @@ def ggml():
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 
-    def quantize(x: torch.Tensor, name: str) -> torch.Tensor:
+    def quantize(x: torch.Tensor, name: str, quant_weights=None) -> torch.Tensor:
         fmt = hanzo_torch.get_format(name)
         a = np.ascontiguousarray(x.numpy(), dtype=np.float32)
         out = np.zeros((a.shape[0], fmt.row_bytes(a.shape[1])), np.uint8)
-        n = lib.ggml_quantize_chunk(fmt.type_id, a.ctypes.data, out.ctypes.data, 0, a.shape[0], a.shape[1], None)
+        qw = None if quant_weights is None else np.ascontiguousarray(quant_weights.numpy(), dtype=np.float32)
+        n = lib.ggml_quantize_chunk(fmt.type_id, a.ctypes.data, out.ctypes.data, 0, a.shape[0], a.shape[1],
+                                    None if qw is None else qw.ctypes.data)
         assert n == out.nbytes
         return torch.from_numpy(out)
 
@@ -83,6 +87,51 @@ def test_random_weights_byte_identical(ggml, name, path, monkeypatch):
         assert bad == 0, f"{name} {case}: {bad} of {total} blocks differ"
 
 
+def _imatrix_like(k: int, seed: int) -> torch.Tensor:
+    """Positive per-column weights spread over decades, a few zero, like mean squared activations."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.exp(torch.randn(k, generator=g) * 2.0)
+    w[::97] = 0
+    return w
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("name", IQ4)
+def test_iq4_random_weights_byte_identical(ggml, name, path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setenv("HANZO_QUANT_NATIVE", "0")
+    for case, x in _cases().items():
+        if path == "torch":
+            x = x[:32]
+        for qw in (None, _imatrix_like(x.shape[1], x.shape[1])):
+            ours = hanzo_torch.quantize(x, name, quant_weights=qw)
+            bad, total = _compare(ours, ggml(x, name, qw), name)
+            assert bad == 0, f"{name} {case} weights={qw is not None}: {bad} of {total} blocks differ"
+
+
+@pytest.mark.parametrize("name", KQ + LEGACY)
+def test_weighted_kquants_random_byte_identical(ggml, name):
+    for case, x in _cases().items():
+        qw = _imatrix_like(x.shape[1], 7 * x.shape[1])
+        bad, total = _compare(hanzo_torch.quantize(x, name, quant_weights=qw), ggml(x, name, qw), name)
+        assert bad == 0, f"{name} {case} with weights: {bad} of {total} blocks differ"
+
+
+def test_real_weights_with_weights_byte_identical(ggml):
+    from conftest import real_model_path
+
+    f = hanzo_torch.GGUFFile(real_model_path())
+    for tname in ["blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.27.ffn_gate.weight"]:
+        if tname not in f.tensors:
+            continue
+        w = f.tensors[tname].dequantize().reshape(-1, f.tensors[tname].shape[-1])[:256].contiguous()
+        qw = _imatrix_like(w.shape[1], 3)
+        for name in KQ + IQ4 + LEGACY:
+            for weights in (None, qw):
+                bad, total = _compare(hanzo_torch.quantize(w, name, quant_weights=weights), ggml(w, name, weights), name)
+                assert bad == 0, f"{tname} as {name} weights={weights is not None}: {bad} of {total} blocks differ"
+
+
 def test_real_weights_byte_identical(ggml):
     from conftest import real_model_path
 
@@ -120,3 +169,39 @@ def test_requantize_real_model_matches_llama_quantize(tmp_path):
     for name in a.tensor_info:
         assert a.tensor_info[name].qtype == b.tensor_info[name].qtype, name
         assert torch.equal(a.packed(name).reshape(-1), b.packed(name).reshape(-1)), name
+
+
+def test_requantize_real_model_with_imatrix_matches_llama_quantize(tmp_path):
+    """The real model's F16 copy quantized to Q4_K_M and IQ4_XS with an imatrix llama-imatrix made
+    (4 chunks of 128 tokens): every tensor's type and bytes equal llama-quantize --imatrix's."""
+    import subprocess
+
+    from conftest import real_model_path
+
+    from hanzo_torch.requantize import requantize
+
+    lib_dir = Path(os.environ.get("HANZO_GGML_LIB") or ".").parent
+    if not (lib_dir / "llama-quantize").is_file() or not (lib_dir / "llama-imatrix").is_file():
+        pytest.skip(f"llama-quantize / llama-imatrix not built beside {lib_dir}")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(lib_dir))
+    src = real_model_path()
+    f16, im = tmp_path / "f16.gguf", tmp_path / "im.gguf"
+    text = tmp_path / "calib.txt"
+    text.write_text((Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md").read_text()[:20000])
+    subprocess.run([str(lib_dir / "llama-quantize"), "--allow-requantize", str(src), str(f16), "F16", "2"], check=True,
+                   capture_output=True, env=env)
+    # -nr: llama.cpp's AMX repacked weights crash its imatrix callback on AMX machines
+    subprocess.run([str(lib_dir / "llama-imatrix"), "-m", str(src), "-f", str(text), "-o", str(im), "-c", "128",
+                    "-b", "128", "--chunks", "4", "--no-ppl", "-nr", "-t", "2"], check=True, capture_output=True, env=env)
+    for ftype in ("Q4_K_M", "IQ4_XS"):
+        theirs, ours = tmp_path / f"llama-{ftype}.gguf", tmp_path / f"ours-{ftype}.gguf"
+        subprocess.run([str(lib_dir / "llama-quantize"), "--imatrix", str(im), str(f16), str(theirs), ftype, "2"],
+                       check=True, capture_output=True, env=env)
+        requantize(str(f16), str(ours), ftype, progress=False, imatrix=str(im))
+        a, b = hanzo_torch.GGUFFile(ours), hanzo_torch.GGUFFile(theirs)
+        assert set(a.tensor_info) == set(b.tensor_info)
+        for name in a.tensor_info:
+            assert a.tensor_info[name].qtype == b.tensor_info[name].qtype, (ftype, name)
+            assert torch.equal(a.packed(name).reshape(-1), b.packed(name).reshape(-1)), (ftype, name)
+        for key in ("quantize.imatrix.file", "quantize.imatrix.entries_count", "quantize.imatrix.chunks_count"):
+            assert a.metadata[key] == b.metadata[key], key

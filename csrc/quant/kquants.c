@@ -118,8 +118,8 @@ static void absmax(int n, const float *x, float *amax, float *max) {
     }
 }
 
-/* ggml's make_qx_quants with rmse_type 1 and no weights: L in [0, 2 nmax - 1] */
-static float qx_rmse1(int n, int nmax, const float *x, int8_t *L) {
+/* ggml's make_qx_quants with rmse_type 1: weights qw, or x^2 where qw is NULL; L in [0, 2 nmax - 1] */
+static float qx_rmse1(int n, int nmax, const float *x, int8_t *L, const float *qw) {
     float amax, mx;
     absmax(n, x, &amax, &mx);
     if (amax < EPS) { memset(L, 0, (size_t)n); return 0.f; }
@@ -127,7 +127,7 @@ static float qx_rmse1(int n, int nmax, const float *x, int8_t *L) {
     for (int i = 0; i < n; ++i) {
         int l = clampi(rnd(iscale * x[i]), -nmax, nmax - 1);
         L[i] = (int8_t)(l + nmax);
-        float w = x[i] * x[i];
+        float w = qw ? qw[i] : x[i] * x[i];
         sumlx += w * x[i] * l;
         suml2 += w * l * l;
     }
@@ -138,7 +138,7 @@ static float qx_rmse1(int n, int nmax, const float *x, int8_t *L) {
         sumlx = suml2 = 0;
         for (int i = 0; i < n; ++i) {
             int l = clampi(rnd(iscale * x[i]), -nmax, nmax - 1);
-            float w = x[i] * x[i];
+            float w = qw ? qw[i] : x[i] * x[i];
             sumlx += w * x[i] * l;
             suml2 += w * l * l;
         }
@@ -325,11 +325,11 @@ static void q5_k_block(const float *x, uint8_t *y) {
         }
 }
 
-static void q6_k_block(const float *x, uint8_t *y) {
+static void q6_k_block(const float *x, uint8_t *y, const float *qw) {
     int8_t L[QK];
     float sc[16], amax = 0, max_s = 0;
     for (int j = 0; j < 16; ++j) {
-        sc[j] = qx_rmse1(16, 32, x + 16 * j, L + 16 * j);
+        sc[j] = qx_rmse1(16, 32, x + 16 * j, L + 16 * j, qw ? qw + 16 * j : NULL);
         float a = fabsf(sc[j]);
         if (a > amax) { amax = a; max_s = sc[j]; }
     }
@@ -357,17 +357,428 @@ static void q6_k_block(const float *x, uint8_t *y) {
         }
 }
 
-typedef void (*block_fn)(const float *, uint8_t *);
+/* ---- with an importance matrix (ggml's quantize_row_q{2..6}_K_impl with quant_weights) ---- */
 
-/* Quantize n super-blocks of 256 floats at x into y (type_size bytes each), nthreads threads.
+/* ggml's make_qkx3_quants with weights: returns the scale, *the_min = -min, L in [0, nmax] */
+static float qkx3(int n, int nmax, const float *x, const float *w, uint8_t *L, float *the_min,
+                  float rmin, float rdelta, int nstep) {
+    uint8_t La[32];
+    float mn = x[0], mx = x[0], sum_w = w[0], sum_x = sum_w * x[0];
+    for (int i = 1; i < n; ++i) {
+        if (x[i] < mn) mn = x[i];
+        if (x[i] > mx) mx = x[i];
+        sum_w += w[i];
+        sum_x += w[i] * x[i];
+    }
+    if (mn > 0) mn = 0;
+    if (mx <= mn) {
+        memset(L, 0, (size_t)n);
+        *the_min = -mn;
+        return 0.f;
+    }
+    float iscale = nmax / (mx - mn), scale = 1 / iscale, best = 0;
+    for (int i = 0; i < n; ++i) {
+        L[i] = (uint8_t)clampi(rnd(iscale * (x[i] - mn)), 0, nmax);
+        float diff = scale * L[i] + mn - x[i];
+        best += w[i] * (diff * diff);
+    }
+    for (int is = 0; is <= nstep; ++is) {
+        iscale = (rmin + rdelta * is + nmax) / (mx - mn);
+        float sl = 0, sl2 = 0, sxl = 0;
+        for (int i = 0; i < n; ++i) {
+            int l = clampi(rnd(iscale * (x[i] - mn)), 0, nmax);
+            La[i] = (uint8_t)l;
+            sl += w[i] * l;
+            sl2 += w[i] * l * l;
+            sxl += w[i] * l * x[i];
+        }
+        float D = sum_w * sl2 - sl * sl;
+        if (D > 0) {
+            float s = (sum_w * sxl - sum_x * sl) / D, m = (sl2 * sum_x - sl * sxl) / D;
+            if (m > 0) { m = 0; s = sxl / sl2; }
+            float err = 0;
+            for (int i = 0; i < n; ++i) {
+                float diff = s * La[i] + m - x[i];
+                err += w[i] * (diff * diff);
+            }
+            if (err < best) { memcpy(L, La, (size_t)n); best = err; scale = s; mn = m; }
+        }
+    }
+    *the_min = -mn;
+    return scale;
+}
+
+/* ggml's make_qp_quants: positive x, weights qw, L in [0, nmax] (uint8 as ggml stores it) */
+static float qp(int n, int nmax, const float *x, uint8_t *L, const float *qw) {
+    float mx = 0;
+    for (int i = 0; i < n; ++i) mx = mx > x[i] ? mx : x[i];
+    if (mx < EPS) { memset(L, 0, (size_t)n); return 0.f; }
+    float iscale = nmax / mx;
+    for (int i = 0; i < n; ++i) L[i] = (uint8_t)rnd(iscale * x[i]);
+    float scale = 1 / iscale, best = 0;
+    for (int i = 0; i < n; ++i) {
+        float diff = x[i] - scale * L[i];
+        best += qw[i] * diff * diff;
+    }
+    for (int is = -4; is <= 4; ++is) {
+        if (is == 0) continue;
+        float isc = (0.1f * is + nmax) / mx, sc = 1 / isc, mse = 0;
+        for (int i = 0; i < n; ++i) {
+            int l = rnd(isc * x[i]);
+            if (l > nmax) l = nmax;
+            float diff = x[i] - sc * l;
+            mse += qw[i] * diff * diff;
+        }
+        if (mse < best) { best = mse; iscale = isc; }
+    }
+    float sumlx = 0, suml2 = 0;
+    for (int i = 0; i < n; ++i) {
+        int l = rnd(iscale * x[i]);
+        if (l > nmax) l = nmax;
+        L[i] = (uint8_t)l;
+        sumlx += qw[i] * x[i] * l;
+        suml2 += qw[i] * l * l;
+    }
+    for (int it = 0; it < 5; ++it) {
+        int changed = 0;
+        for (int i = 0; i < n; ++i) {
+            float w = qw[i];
+            float slx = sumlx - w * x[i] * L[i], sl2 = suml2 - w * L[i] * L[i];
+            if (slx > 0 && sl2 > 0) {
+                int nl = rnd(x[i] * sl2 / slx);
+                if (nl > nmax) nl = nmax;
+                if (nl != L[i]) {
+                    slx += w * x[i] * nl;
+                    sl2 += w * nl * nl;
+                    if (slx * slx * suml2 > sumlx * sumlx * sl2) {
+                        L[i] = (uint8_t)nl; sumlx = slx; suml2 = sl2; ++changed;
+                    }
+                }
+            }
+        }
+        if (!changed) break;
+    }
+    return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
+}
+
+static float sum_sq(int n, const float *x) {
+    float s = 0;
+    for (int i = 0; i < n; ++i) s += x[i] * x[i];
+    return s;
+}
+
+static void q2_k_block_w(const float *x, uint8_t *y, const float *qw) {
+    uint8_t L[QK], Ls[16], Lm[16];
+    float w[16], sw[16], sc[16], mn[16];
+    float sigma2 = sum_sq(QK, x) / QK;
+    for (int j = 0; j < 16; ++j) {
+        for (int l = 0; l < 16; ++l) w[l] = qw[16 * j + l] * sqrtf(sigma2 + x[16 * j + l] * x[16 * j + l]);
+        sw[j] = 0;
+        for (int l = 0; l < 16; ++l) sw[j] += w[l];
+        sc[j] = qkx3(16, 3, x + 16 * j, w, L + 16 * j, &mn[j], -0.9f, 0.05f, 36);
+    }
+    float dm = qp(16, 15, sc, Ls, sw), mm = qp(16, 15, mn, Lm, sw);
+    uint8_t *scales = y, *qs = y + 16;
+    put_half(y + 80, dm);
+    put_half(y + 82, mm);
+    dm = half_round(dm);
+    mm = half_round(mm);
+    for (int j = 0; j < 16; ++j) scales[j] = (uint8_t)(Ls[j] | (Lm[j] << 4));
+    for (int j = 0; j < 16; ++j) {
+        float d = dm * (scales[j] & 0xf);
+        if (!d) continue;
+        float m = mm * (scales[j] >> 4);
+        for (int i = 0; i < 16; ++i) L[16 * j + i] = (uint8_t)clampi(rnd((x[16 * j + i] + m) / d), 0, 3);
+    }
+    pack2(L, qs);
+}
+
+static void q3_k_block_w(const float *x, uint8_t *y, const float *qw) {
+    int8_t L[QK], Ls[16];
+    float w[16], sw[16], sc[16];
+    float sigma2 = 2 * sum_sq(QK, x) / QK;
+    for (int j = 0; j < 16; ++j) {
+        for (int l = 0; l < 16; ++l) w[l] = qw[16 * j + l] * sqrtf(sigma2 + x[16 * j + l] * x[16 * j + l]);
+        float s = 0;
+        for (int l = 0; l < 16; ++l) s += w[l];
+        sw[j] = s;
+        sc[j] = qx_rmse1(16, 4, x + 16 * j, L + 16 * j, w);
+    }
+    uint8_t *hmask = y, *qs = y + 32, *scales = y + 96;
+    memset(scales, 0, 12);
+    float d_block = qx_rmse1(16, 32, sc, Ls, sw);
+    for (int j = 0; j < 16; ++j) {
+        int l = Ls[j];
+        if (j < 8) scales[j] = (uint8_t)(l & 0xf);
+        else scales[j - 8] |= (uint8_t)((l & 0xf) << 4);
+        l >>= 4;
+        scales[j % 4 + 8] |= (uint8_t)(l << (2 * (j / 4)));
+    }
+    put_half(y + 108, d_block);
+    float dq = half_round(d_block);
+    for (int j = 0; j < 16; ++j) {
+        int8_t s = (int8_t)(j < 8 ? scales[j] & 0xf : scales[j - 8] >> 4);
+        s = (int8_t)((s | (((scales[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32);
+        float dj = dq * s;
+        if (!dj) continue;
+        for (int i = 0; i < 16; ++i) L[16 * j + i] = (int8_t)(clampi(rnd(x[16 * j + i] / dj), -4, 3) + 4);
+    }
+    memset(hmask, 0, 32);
+    uint8_t U[QK];
+    for (int j = 0; j < QK; ++j) {
+        int l = L[j];
+        if (l > 3) { hmask[j % 32] |= (uint8_t)(1 << (j / 32)); l -= 4; }
+        U[j] = (uint8_t)l;
+    }
+    pack2(U, qs);
+}
+
+/* ggml's get_scale_min_k4: the 6-bit scale and min of group j from the 12 scale bytes */
+static void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) { *d = q[j] & 63; *m = q[j + 4] & 63; }
+    else {
+        *d = (uint8_t)((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* Q4_K / Q5_K with weights: d, dmin, 12 scale bytes, then the codes L[256] (returned) */
+static void k4_head_w(const float *x, uint8_t *y, uint8_t *L, int nmax, const float *qw, int cap) {
+    float w[32], sw[8], sc[8], mn[8];
+    uint8_t Ls[8], Lm[8], *scales = y + 4;
+    float sigma2 = 2 * sum_sq(QK, x) / QK;
+    for (int j = 0; j < 8; ++j) {
+        for (int l = 0; l < 32; ++l) w[l] = qw[32 * j + l] * sqrtf(sigma2 + x[32 * j + l] * x[32 * j + l]);
+        float s = 0;
+        for (int l = 0; l < 32; ++l) s += w[l];
+        sw[j] = s;
+        sc[j] = qkx3(32, nmax, x + 32 * j, w, L + 32 * j, &mn[j], -0.9f, 0.05f, 36);
+    }
+    float d_block = qp(8, 63, sc, Ls, sw), m_block = qp(8, 63, mn, Lm, sw);
+    for (int j = 0; j < 8; ++j) {
+        uint8_t ls = Ls[j], lm = Lm[j];
+        if (cap) { ls = ls < 63 ? ls : 63; lm = lm < 63 ? lm : 63; }
+        if (j < 4) { scales[j] = ls; scales[j + 4] = lm; }
+        else {
+            scales[j + 4] = (uint8_t)((ls & 0xf) | ((lm & 0xf) << 4));
+            scales[j - 4] |= (uint8_t)((ls >> 4) << 6);
+            scales[j] |= (uint8_t)((lm >> 4) << 6);
+        }
+    }
+    put_half(y, d_block);
+    put_half(y + 2, m_block);
+    float dq = half_round(d_block), dmq = half_round(m_block);
+    for (int j = 0; j < 8; ++j) {
+        uint8_t s, m;
+        scale_min_k4(j, scales, &s, &m);
+        float d = dq * s;
+        if (!d) continue;
+        float dm = dmq * m;
+        for (int i = 0; i < 32; ++i) L[32 * j + i] = (uint8_t)clampi(rnd((x[32 * j + i] + dm) / d), 0, nmax);
+    }
+}
+
+static void pack_q4(const uint8_t *L, uint8_t *y) {
+    uint8_t *q = y + 16;
+    for (int j = 0; j < QK; j += 64, q += 32)
+        for (int l = 0; l < 32; ++l) q[l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 4));
+}
+
+static void pack_q5(const uint8_t *L, uint8_t *y) {
+    uint8_t *qh = y + 16, *ql = y + 48;
+    memset(qh, 0, 32);
+    for (int j = 0; j < QK; j += 64, ql += 32)
+        for (int l = 0; l < 32; ++l) {
+            int a = L[j + l], b = L[j + l + 32], plane = j / 32;
+            if (a > 15) { a -= 16; qh[l] |= (uint8_t)(1 << plane); }
+            if (b > 15) { b -= 16; qh[l] |= (uint8_t)(1 << (plane + 1)); }
+            ql[l] = (uint8_t)(a | (b << 4));
+        }
+}
+
+static void q4_k_block_w(const float *x, uint8_t *y, const float *qw) {
+    uint8_t L[QK];
+    k4_head_w(x, y, L, 15, qw, 0);
+    pack_q4(L, y);
+}
+
+static void q5_k_block_w(const float *x, uint8_t *y, const float *qw) {
+    uint8_t L[QK];
+    k4_head_w(x, y, L, 31, qw, 1);
+    pack_q5(L, y);
+}
+
+/* ---- IQ4_NL / IQ4_XS (ggml's quantize_row_iq4_nl_impl with ntry 7, as quantize_iq4_nl/_xs) ---- */
+
+/* the 16 non-linear levels of IQ4_NL and IQ4_XS (ggml-common.h kvalues_iq4nl) */
+static const int8_t KV4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* ggml's best_index_int8: the nearest level, the upper one on a tie */
+static inline int best4(float x) {
+    if (x <= KV4[0]) return 0;
+    if (x >= KV4[15]) return 15;
+    int ml = 0, mu = 15;
+    while (mu - ml > 1) {
+        int mav = (ml + mu) / 2;
+        if (x < KV4[mav]) mu = mav; else ml = mav;
+    }
+    return x - KV4[mu - 1] < KV4[mu] - x ? mu - 1 : mu;
+}
+
+/* one super-block of sbs values (32: IQ4_NL, 256: IQ4_XS) in groups of 32; qw NULL: weights x^2 */
+static void iq4_block(int sbs, const float *x, uint8_t *y, const float *qw) {
+    const int ntry = 7, nb = sbs / 32;
+    uint8_t L[QK];
+    float w[32], scales[8];
+    float sigma2 = 0;
+    for (int j = 0; j < sbs; ++j) sigma2 += x[j] * x[j];
+    sigma2 *= 2.f / sbs;
+    uint8_t *q4 = nb > 1 ? y + 8 : y + 2;
+    memset(q4, 0, (size_t)sbs / 2);
+    float max_scale = 0, amax_scale = 0;
+    for (int ib = 0; ib < nb; ++ib) {
+        const float *xb = x + 32 * ib;
+        uint8_t *Lb = L + 32 * ib;
+        if (qw) for (int j = 0; j < 32; ++j) w[j] = qw[32 * ib + j] * sqrtf(sigma2 + xb[j] * xb[j]);
+        else for (int j = 0; j < 32; ++j) w[j] = xb[j] * xb[j];
+        float amax = 0, mx = 0;
+        for (int j = 0; j < 32; ++j) {
+            float ax = fabsf(xb[j]);
+            if (ax > amax) { amax = ax; mx = xb[j]; }
+        }
+        if (amax < EPS) { scales[ib] = 0; continue; }
+        float d = -mx / KV4[0], id = 1 / d, sumqx = 0, sumq2 = 0;
+        for (int j = 0; j < 32; ++j) {
+            int l = best4(id * xb[j]);
+            Lb[j] = (uint8_t)l;
+            float q = KV4[l];
+            sumqx += w[j] * q * xb[j];
+            sumq2 += w[j] * q * q;
+        }
+        d = sumq2 > 0 ? sumqx / sumq2 : 0.f;
+        float best = d * sumqx;
+        for (int itry = -ntry; itry <= ntry; ++itry) {
+            id = (itry + KV4[0]) / mx;
+            sumqx = sumq2 = 0;
+            for (int j = 0; j < 32; ++j) {
+                float q = KV4[best4(id * xb[j])];
+                sumqx += w[j] * q * xb[j];
+                sumq2 += w[j] * q * q;
+            }
+            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) { d = sumqx / sumq2; best = d * sumqx; }
+        }
+        scales[ib] = d;
+        if (fabsf(d) > amax_scale) { amax_scale = fabsf(d); max_scale = d; }
+    }
+    if (nb > 1) {
+        uint16_t sh = 0;
+        uint8_t *sl = y + 4;
+        float d = -max_scale / 32;
+        put_half(y, d);
+        float id = d ? 1 / d : 0.f;
+        for (int ib = 0; ib < nb; ++ib) {
+            int l = clampi(rnd(id * scales[ib]), -32, 31);
+            float dl = d * l, idl = dl ? 1 / dl : 0.f;
+            for (int j = 0; j < 32; ++j) L[32 * ib + j] = (uint8_t)best4(idl * x[32 * ib + j]);
+            l += 32;
+            if (ib % 2 == 0) sl[ib / 2] = (uint8_t)(l & 0xf);
+            else sl[ib / 2] |= (uint8_t)((l & 0xf) << 4);
+            sh |= (uint16_t)((l >> 4) << 2 * (ib % 8));
+        }
+        y[2] = (uint8_t)(sh & 0xff);
+        y[3] = (uint8_t)(sh >> 8);
+    } else {
+        put_half(y, scales[0]);
+        float id = scales[0] ? 1 / scales[0] : 0;
+        for (int j = 0; j < sbs; ++j) L[j] = (uint8_t)best4(id * x[j]);
+    }
+    for (int i = 0; i < sbs / 32; ++i)
+        for (int j = 0; j < 16; ++j) q4[16 * i + j] = (uint8_t)(L[32 * i + j] | (L[32 * i + 16 + j] << 4));
+}
+
+static void q2_k_any(const float *x, uint8_t *y, const float *qw) { if (qw) q2_k_block_w(x, y, qw); else q2_k_block(x, y); }
+static void q3_k_any(const float *x, uint8_t *y, const float *qw) { if (qw) q3_k_block_w(x, y, qw); else q3_k_block(x, y); }
+static void q4_k_any(const float *x, uint8_t *y, const float *qw) { if (qw) q4_k_block_w(x, y, qw); else q4_k_block(x, y); }
+static void q5_k_any(const float *x, uint8_t *y, const float *qw) { if (qw) q5_k_block_w(x, y, qw); else q5_k_block(x, y); }
+static void iq4_nl_block(const float *x, uint8_t *y, const float *qw) { iq4_block(32, x, y, qw); }
+static void iq4_xs_block(const float *x, uint8_t *y, const float *qw) { iq4_block(QK, x, y, qw); }
+
+/* ---- Q4_0 / Q4_1 / Q5_0 / Q5_1 with weights (ggml's quantize_row_q{4,5}_{0,1}_impl): one row of
+ * n values; sigma2 is the row's mean square (not a super-block's). type_id: 2, 3, 6, 7 ---- */
+static void legacy_row_w(int type_id, const float *x, uint8_t *y, int64_t n, const float *qw) {
+    float sum_x2 = 0;
+    for (int64_t j = 0; j < n; ++j) sum_x2 += x[j] * x[j];
+    float sigma2 = sum_x2 / n;
+    const int ts = type_id == 2 ? 18 : type_id == 3 ? 20 : type_id == 6 ? 22 : 24;
+    for (int64_t ib = 0; ib < n / 32; ++ib) {
+        const float *xb = x + 32 * ib, *q = qw + 32 * ib;
+        uint8_t *b = y + ib * ts, L[32];
+        float w[32];
+        for (int j = 0; j < 32; ++j) w[j] = q[j] * sqrtf(sigma2 + xb[j] * xb[j]);
+        int off = 2;
+        if (type_id == 2 || type_id == 6) {  /* symmetric: make_qx_quants, L = l + nmax */
+            int8_t Ls[32];
+            put_half(b, qx_rmse1(32, type_id == 2 ? 8 : 16, xb, Ls, w));
+            for (int j = 0; j < 32; ++j) L[j] = (uint8_t)Ls[j];
+        } else {  /* with a min: make_qkx3_quants */
+            float the_min;
+            put_half(b, qkx3(32, type_id == 3 ? 15 : 31, xb, w, L, &the_min, -0.9f, 0.05f, 36));
+            put_half(b + 2, -the_min);
+            off = 4;
+        }
+        if (type_id >= 6) {  /* the fifth bits: qh, little-endian uint32 */
+            uint32_t qh = 0;
+            for (int j = 0; j < 16; ++j) {
+                qh |= (uint32_t)((L[j] & 0x10u) >> 4) << j;
+                qh |= (uint32_t)((L[j + 16] & 0x10u) >> 4) << (j + 16);
+            }
+            for (int k = 0; k < 4; ++k) b[off + k] = (uint8_t)(qh >> (8 * k));
+            off += 4;
+        }
+        for (int j = 0; j < 16; ++j) b[off + j] = (uint8_t)((L[j] & 0x0F) | ((L[j + 16] & 0x0F) << 4));
+    }
+}
+
+typedef void (*block_fn)(const float *, uint8_t *, const float *);
+
+/* Quantize nrows rows of n_per_row floats at x into y, as ggml_quantize_chunk(type_id, ...) does:
+ * type_id is ggml's (10..14: Q2_K..Q6_K, 20: IQ4_NL, 23: IQ4_XS; 2, 3, 6, 7: Q4_0, Q4_1, Q5_0,
+ * Q5_1 with weights only); qw, when not NULL, holds n_per_row importance weights shared by every
+ * row. Returns 0, -1 for an unknown type (or a legacy type without weights), -2 for a row length
+ * that is not a block multiple. */
+int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int64_t n_per_row,
+                     const float *qw, int nthreads) {
+    block_fn f;
+    int bs = QK, ts;
+    if (type_id == 2 || type_id == 3 || type_id == 6 || type_id == 7) {
+        if (!qw) return -1;  /* without weights these are ggml's _ref quantizers, not here */
+        if (n_per_row <= 0 || n_per_row % 32) return -2;
+        int64_t rb = n_per_row / 32 * (type_id == 2 ? 18 : type_id == 3 ? 20 : type_id == 6 ? 22 : 24);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t r = 0; r < nrows; ++r) legacy_row_w(type_id, x + r * n_per_row, y + r * rb, n_per_row, qw);
+        return 0;
+    }
+    switch (type_id) {
+    case 10: f = q2_k_any; ts = 84; break;
+    case 11: f = q3_k_any; ts = 110; break;
+    case 12: f = q4_k_any; ts = 144; break;
+    case 13: f = q5_k_any; ts = 176; break;
+    case 14: f = q6_k_block; ts = 210; break;
+    case 20: f = iq4_nl_block; bs = 32; ts = 18; break;
+    case 23: f = iq4_xs_block; ts = 136; break;
+    default: return -1;
+    }
+    if (n_per_row <= 0 || n_per_row % bs) return -2;
+    int64_t per_row = n_per_row / bs, n = nrows * per_row;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+        f(x + i * bs, y + i * ts, qw ? qw + (i % per_row) * bs : NULL);
+    return 0;
+}
+
+/* Quantize n super-blocks of 256 floats at x into y without weights, nthreads threads.
  * kind: 2..6 for Q2_K..Q6_K. Returns 0, or -1 for an unknown kind. */
 int hz_quantize_k(int kind, const float *x, uint8_t *y, int64_t n, int nthreads) {
-    static const block_fn fns[7] = {0, 0, q2_k_block, q3_k_block, q4_k_block, q5_k_block, q6_k_block};
-    static const int sizes[7] = {0, 0, 84, 110, 144, 176, 210};
     if (kind < 2 || kind > 6) return -1;
-    block_fn f = fns[kind];
-    int ts = sizes[kind];
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t i = 0; i < n; ++i) f(x + i * QK, y + i * ts);
-    return 0;
+    return hz_quantize_rows(8 + kind, x, y, n, QK, NULL, nthreads);
 }

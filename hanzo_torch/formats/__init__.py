@@ -95,6 +95,9 @@ class Format:
             each a :class:`~hanzo_torch.formats._bits.DeviceTable` read from ``gguf.quants``.
         group_len: values per group that shares one scale and one offset (the grouped form
             ``w = scale * code + offset`` of a kernel); 0 for dense formats.
+        quantize_weighted: ``(float32 [rows, K], quant_weights float32 [K]) -> uint8 [rows,
+            row_bytes]``, quantization with one importance weight per column (ggml's
+            ``quantize_*`` with ``quant_weights``), or None where hanzo-torch has none.
     """
 
     name: str
@@ -108,6 +111,7 @@ class Format:
     vec_dot_type: Optional[str] = None
     tables: Mapping[str, Any] = field(default_factory=dict, repr=False)
     group_len: int = 0
+    quantize_weighted: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = field(default=None, repr=False)
 
     def field(self, name: str) -> Field:
         """The :class:`Field` called ``name``; KeyError naming the format and its fields if none."""
@@ -236,27 +240,42 @@ def dequantize(
     return out.reshape(shape).to(dtype)
 
 
-def quantize(tensor: torch.Tensor, qtype: Union[str, int, Format]) -> torch.Tensor:
+def quantize(tensor: torch.Tensor, qtype: Union[str, int, Format],
+             quant_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pack a float tensor into ggml blocks of ``qtype``.
 
     Args:
         tensor: float tensor ``[..., K]``; K a multiple of the block size. Converted to float32
             first, as ``gguf.quants.quantize`` does.
         qtype: target format.
+        quant_weights: optional importance weights, float ``[K]`` (one per column, shared by all
+            rows: llama-quantize's per-tensor imatrix entry, see :mod:`hanzo_torch.imatrix`);
+            formats with a ``quantize_weighted`` only (Q2_K..Q6_K, IQ4_NL, IQ4_XS).
 
     Returns:
-        ``uint8 [..., K // block_size * type_size]`` byte-identical to ``gguf.quants.quantize``
-        (K-quants Q2_K..Q6_K, which gguf cannot quantize: to ggml's ``ggml_quantize_chunk``
-        without an importance matrix, see :mod:`hanzo_torch.formats.kquant_search`).
+        ``uint8 [..., K // block_size * type_size]`` byte-identical to ``gguf.quants.quantize``;
+        for Q2_K..Q6_K, IQ4_NL and IQ4_XS (which gguf cannot quantize) to ggml's
+        ``ggml_quantize_chunk`` with the same ``quant_weights`` (see
+        :mod:`hanzo_torch.formats.kquant_search`, :mod:`hanzo_torch.formats.iq4_search`).
 
     Raises:
-        NotImplementedError: the format has no quantizer in hanzo-torch.
-        ValueError: K is not a multiple of the block size; for K-quants also a non-finite value.
+        NotImplementedError: the format has no quantizer in hanzo-torch (with
+            ``quant_weights``: no importance-weighted one; K-quants with weights also when the C
+            kernel is unavailable).
+        ValueError: K is not a multiple of the block size; a non-finite value (K-quants, IQ4);
+            ``quant_weights`` not of shape ``[K]`` or not finite.
     """
     fmt = get_format(qtype)
+    shape = tuple(tensor.shape)
+    if quant_weights is not None:
+        if fmt.quantize_weighted is None:
+            raise NotImplementedError(f"quantize to {fmt.name} with quant_weights (an importance matrix) "
+                                      f"is not implemented in hanzo-torch")
+        rb = fmt.row_bytes(shape[-1]) if shape else fmt.row_bytes(0)
+        out = fmt.quantize_weighted(tensor.to(torch.float32).reshape(-1, shape[-1]), quant_weights)
+        return out.reshape(*shape[:-1], rb)
     if fmt.quantize_blocks is None:
         raise NotImplementedError(f"quantize to {fmt.name} is not implemented in hanzo-torch")
-    shape = tuple(tensor.shape)
     rb = fmt.row_bytes(shape[-1])
     blocks = tensor.to(torch.float32).reshape(-1, fmt.block_size)
     out = fmt.quantize_blocks(blocks)

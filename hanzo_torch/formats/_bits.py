@@ -70,6 +70,7 @@ def make_format(
     vec_dot_type: Optional[str] = None,
     tables: Optional[Mapping[str, "DeviceTable"]] = None,
     group_len: int = 0,
+    quantize_weighted: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
 ) -> Format:
     """A :class:`Format` for ggml type ``name`` with id, block and type size taken from ``gguf``.
 
@@ -90,6 +91,7 @@ def make_format(
         vec_dot_type=vec_dot_type,
         tables=dict(tables or {}),
         group_len=group_len,
+        quantize_weighted=quantize_weighted,
     )
 
 

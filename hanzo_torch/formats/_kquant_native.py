@@ -1,4 +1,4 @@
-"""The C kernel of the K-quant quantizers (``csrc/quant/kquants.c``), loaded through ctypes.
+"""The C kernel of the K-quant and IQ4 quantizers (``csrc/quant/kquants.c``), loaded through ctypes.
 
 Compiled on first use with the system C compiler (``$CC``, default ``cc``; about a second) into
 ``~/.cache/hanzo-torch/ext/quant-<hash>/`` (``HANZO_CACHE`` moves the root, as for the other
@@ -24,6 +24,9 @@ from .. import _native
 _PKG = Path(__file__).resolve().parents[1] / "_csrc" / "quant" / "kquants.c"
 SOURCE = _PKG if _PKG.is_file() else Path(__file__).resolve().parents[2] / "csrc" / "quant" / "kquants.c"
 KINDS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+ROW_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+"""The formats ``hz_quantize_rows`` quantizes (the last four with importance weights only)."""
+WEIGHTED_ONLY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -49,6 +52,9 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     lib.hz_quantize_k.restype = ctypes.c_int
     lib.hz_quantize_k.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.hz_quantize_rows.restype = ctypes.c_int
+    lib.hz_quantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -96,4 +102,25 @@ def quantize(x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
     rc = lib.hz_quantize_k(KINDS[name], x.data_ptr(), out.data_ptr(), x.shape[0], max(1, torch.get_num_threads()))
     if rc != 0:
         raise RuntimeError(f"hz_quantize_k({name}) returned {rc}")
+    return out
+
+
+def quantize_rows(x: torch.Tensor, name: str, quant_weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Quantize finite float32 rows ``x [rows, K]`` on the CPU to ``name`` (one of :data:`ROW_TYPES`)
+    as ``ggml_quantize_chunk`` does, with ``quant_weights`` (float32 ``[K]``, shared by every row) or
+    None; returns ``uint8 [rows, row_bytes]``, or None if the kernel is unavailable."""
+    lib = library()
+    if lib is None or x.device.type != "cpu":
+        return None
+    from . import get_format
+    fmt = get_format(name)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], fmt.row_bytes(x.shape[1]), dtype=torch.uint8)
+    qw = None
+    if quant_weights is not None:
+        qw = quant_weights.to(torch.float32).contiguous()
+    rc = lib.hz_quantize_rows(fmt.type_id, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                              None if qw is None else qw.data_ptr(), max(1, torch.get_num_threads()))
+    if rc != 0:
+        raise RuntimeError(f"hz_quantize_rows({name}) returned {rc}")
     return out

@@ -2,9 +2,9 @@
 
 Block layouts are ggml's (``ggml-common.h``, ``block_iq*``); the dequantization formulas and
 their float32 operation order are those of ``gguf.quants`` (the numpy oracle), which every
-function here repeats, so the results are bit-identical to it. hanzo-torch does not quantize to
-i-quants (they need an importance matrix and a codebook search; gguf has no numpy quantizer for
-them to check against).
+function here repeats, so the results are bit-identical to it. Of the i-quants hanzo-torch
+quantizes IQ4_NL and IQ4_XS (:mod:`hanzo_torch.formats.iq4_search`, byte-identical to ggml's);
+the codebook i-quants (IQ1_S .. IQ3_S) have no quantizer here.
 
 The codebooks (grids) and the IQ4 non-linear levels are read from the ``gguf`` package at
 import (``gguf.quants.<TYPE>.init_grid()`` / ``.grid``, ``.kvalues``), turned into torch tensors
@@ -21,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, QK_K
 from gguf import quants as _gq
 
-from . import register
+from . import iq4_search, register
 from ._bits import (
     DeviceTable, block_layout, check_blocks, fp16_field, half, half_bits_to_f32, le_u16, le_u32,
     lookup, make_format, signs_from_bits, split_bits, table_from_gguf, u8, u16, unpack_bits,
@@ -271,19 +271,21 @@ def _iq4_xs_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * lookup(_KVALUES_IQ4, q)).reshape(n, QK_K)
 
 
-def _iq(name, fn, layout, tables, group_len, vec_dot_type="q8_K"):
-    return register(make_format(name, fn, layout=layout, vec_dot_type=vec_dot_type, tables=tables,
-                                group_len=group_len))
+def _iq(name, fn, layout, tables, group_len, vec_dot_type="q8_K", quantize=None, weighted=None):
+    return register(make_format(name, fn, quantize, layout=layout, vec_dot_type=vec_dot_type, tables=tables,
+                                group_len=group_len, quantize_weighted=weighted))
 
 
 IQ2_XXS = _iq("IQ2_XXS", _iq2_xxs_dequantize, _IQ2_XXS, {"grid": _GRID_IQ2_XXS}, 32)
 IQ2_XS = _iq("IQ2_XS", _iq2_xs_dequantize, _IQ2_XS, {"grid": _GRID_IQ2_XS}, 16)
 IQ3_XXS = _iq("IQ3_XXS", _iq3_xxs_dequantize, _IQ3_XXS, {"grid": _GRID_IQ3_XXS}, 32)
 IQ1_S = _iq("IQ1_S", _iq1_s_dequantize, _IQ1_S, {"grid": _GRID_IQ1}, 32)
-IQ4_NL = _iq("IQ4_NL", _iq4_nl_dequantize, _IQ4_NL, {"kvalues": _KVALUES_IQ4}, 32, vec_dot_type="q8_0")
+IQ4_NL = _iq("IQ4_NL", _iq4_nl_dequantize, _IQ4_NL, {"kvalues": _KVALUES_IQ4}, 32, vec_dot_type="q8_0",
+             quantize=iq4_search.quantize_iq4_nl, weighted=iq4_search.WEIGHTED["IQ4_NL"])
 IQ3_S = _iq("IQ3_S", _iq3_s_dequantize, _IQ3_S, {"grid": _GRID_IQ3_S}, 32)
 IQ2_S = _iq("IQ2_S", _iq2_s_dequantize, _IQ2_S, {"grid": _GRID_IQ2_S}, 16)
-IQ4_XS = _iq("IQ4_XS", _iq4_xs_dequantize, _IQ4_XS, {"kvalues": _KVALUES_IQ4}, 32)
+IQ4_XS = _iq("IQ4_XS", _iq4_xs_dequantize, _IQ4_XS, {"kvalues": _KVALUES_IQ4}, 32,
+             quantize=iq4_search.quantize_iq4_xs, weighted=iq4_search.WEIGHTED["IQ4_XS"])
 IQ1_M = _iq("IQ1_M", _iq1_m_dequantize, _IQ1_M, {"grid": _GRID_IQ1}, 8)
 
 IQ_FORMATS: tuple[str, ...] = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")

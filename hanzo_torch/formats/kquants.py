@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, QK_K
 
-from . import kquant_search, register
+from . import iq4_search, kquant_search, register
 from ._bits import block_layout, check_blocks, fp16_field, half, i8, make_format, u8, unpack_bits
 
 __all__ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "K_SCALE_SIZE"]
@@ -168,8 +168,13 @@ def _q6_k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
-Q2_K = register(make_format("Q2_K", _q2_k_dequantize, kquant_search.quantize_q2_k, layout=_Q2_K, vec_dot_type="q8_K", group_len=16))
-Q3_K = register(make_format("Q3_K", _q3_k_dequantize, kquant_search.quantize_q3_k, layout=_Q3_K, vec_dot_type="q8_K", group_len=16))
-Q4_K = register(make_format("Q4_K", _q4_k_dequantize, kquant_search.quantize_q4_k, layout=_Q4_K, vec_dot_type="q8_K", group_len=32))
-Q5_K = register(make_format("Q5_K", _q5_k_dequantize, kquant_search.quantize_q5_k, layout=_Q5_K, vec_dot_type="q8_K", group_len=32))
-Q6_K = register(make_format("Q6_K", _q6_k_dequantize, kquant_search.quantize_q6_k, layout=_Q6_K, vec_dot_type="q8_K", group_len=16))
+Q2_K = register(make_format("Q2_K", _q2_k_dequantize, kquant_search.quantize_q2_k, layout=_Q2_K, vec_dot_type="q8_K", group_len=16,
+                           quantize_weighted=iq4_search.WEIGHTED["Q2_K"]))
+Q3_K = register(make_format("Q3_K", _q3_k_dequantize, kquant_search.quantize_q3_k, layout=_Q3_K, vec_dot_type="q8_K", group_len=16,
+                           quantize_weighted=iq4_search.WEIGHTED["Q3_K"]))
+Q4_K = register(make_format("Q4_K", _q4_k_dequantize, kquant_search.quantize_q4_k, layout=_Q4_K, vec_dot_type="q8_K", group_len=32,
+                           quantize_weighted=iq4_search.WEIGHTED["Q4_K"]))
+Q5_K = register(make_format("Q5_K", _q5_k_dequantize, kquant_search.quantize_q5_k, layout=_Q5_K, vec_dot_type="q8_K", group_len=32,
+                           quantize_weighted=iq4_search.WEIGHTED["Q5_K"]))
+Q6_K = register(make_format("Q6_K", _q6_k_dequantize, kquant_search.quantize_q6_k, layout=_Q6_K, vec_dot_type="q8_K", group_len=16,
+                           quantize_weighted=iq4_search.WEIGHTED["Q6_K"]))

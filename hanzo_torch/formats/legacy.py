@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import register
+from . import iq4_search, register
 from ._bits import (
     block_layout, check_blocks, check_values, codes_from_float, float_const, fp16_bytes,
     fp16_field, half, i8, make_format, pack_bits, round_codes, safe_reciprocal, signed_absmax, u8,
@@ -166,8 +166,13 @@ def _q8_0_quantize(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([fp16_bytes(d), q.view(torch.uint8)], dim=1)
 
 
-Q4_0 = register(make_format("Q4_0", _q4_0_dequantize, _q4_0_quantize, layout=_Q4_0, vec_dot_type="q8_0", group_len=QK))
-Q4_1 = register(make_format("Q4_1", _q4_1_dequantize, _q4_1_quantize, layout=_Q4_1, vec_dot_type="q8_1", group_len=QK))
-Q5_0 = register(make_format("Q5_0", _q5_0_dequantize, _q5_0_quantize, layout=_Q5_0, vec_dot_type="q8_0", group_len=QK))
-Q5_1 = register(make_format("Q5_1", _q5_1_dequantize, _q5_1_quantize, layout=_Q5_1, vec_dot_type="q8_1", group_len=QK))
+# quantize_weighted: ggml's quantize_q{4,5}_{0,1} with an importance matrix (C kernel only)
+Q4_0 = register(make_format("Q4_0", _q4_0_dequantize, _q4_0_quantize, layout=_Q4_0, vec_dot_type="q8_0", group_len=QK,
+                            quantize_weighted=iq4_search.WEIGHTED["Q4_0"]))
+Q4_1 = register(make_format("Q4_1", _q4_1_dequantize, _q4_1_quantize, layout=_Q4_1, vec_dot_type="q8_1", group_len=QK,
+                            quantize_weighted=iq4_search.WEIGHTED["Q4_1"]))
+Q5_0 = register(make_format("Q5_0", _q5_0_dequantize, _q5_0_quantize, layout=_Q5_0, vec_dot_type="q8_0", group_len=QK,
+                            quantize_weighted=iq4_search.WEIGHTED["Q5_0"]))
+Q5_1 = register(make_format("Q5_1", _q5_1_dequantize, _q5_1_quantize, layout=_Q5_1, vec_dot_type="q8_1", group_len=QK,
+                            quantize_weighted=iq4_search.WEIGHTED["Q5_1"]))
 Q8_0 = register(make_format("Q8_0", _q8_0_dequantize, _q8_0_quantize, layout=_Q8_0, vec_dot_type="q8_0", group_len=QK))
