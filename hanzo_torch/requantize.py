@@ -128,7 +128,8 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
 
 
 def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
-               log: Optional[Callable[[str], None]] = None) -> dict[str, str]:
+               log: Optional[Callable[[str], None]] = None,
+               replace: Optional[dict[str, torch.Tensor]] = None) -> dict[str, str]:
     """Requantize GGUF ``src`` to ``dst`` with llama-quantize's recipe for ``ftype``.
 
     Args:
@@ -136,6 +137,9 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
         dst: output path; written to ``dst + ".tmp"`` and renamed, so it never holds a partial file.
         ftype: a key of :data:`FTYPES` (``"Q4_K_M"``, ``"Q8_0"``, ...), case-insensitive.
         progress: a tqdm bar per tensor on stderr.
+        replace: ``tensor name -> float tensor`` (the tensor's shape) written in place of the
+            file's tensor, always quantized to its chosen type (a LoRA merge,
+            :func:`hanzo_torch.lora.merge`).
 
     Returns:
         ``tensor name -> ggml type`` written.
@@ -165,6 +169,13 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
     state = _State(n_layer=n_layer, n_attn_v=sum(_category(n) in ("attn_v", "attn_qkv") for n in names),
                    tied="output.weight" not in infos,
                    n_expert=int(f.metadata.get(f"{arch}.expert_count", 0)) if arch else 0)
+    replace = dict(replace or {})
+    for name, x in replace.items():
+        if name not in infos:
+            raise ValueError(f"{src}: replace names tensor {name!r}, which the file lacks")
+        if tuple(x.shape) != tuple(infos[name].shape) or not x.is_floating_point():
+            raise ValueError(f"replace[{name!r}]: a float tensor of shape {tuple(infos[name].shape)} is needed, "
+                             f"got {x.dtype} {tuple(x.shape)}")
     plan = {}
     for name in names:
         info = infos[name]
@@ -172,7 +183,8 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
         if src_type is None:
             raise ValueError(f"{src}: tensor {name!r} has ggml type {info.qtype}, which hanzo-torch cannot read")
         plan[name] = tensor_type(name, tuple(info.shape), src_type, key, state)
-        if plan[name] != src_type and get_format(plan[name]).quantize_blocks is None:
+        if (plan[name] != src_type or name in replace) and get_format(plan[name]).quantize_blocks is None \
+                and plan[name] not in _DENSE:
             raise ValueError(f"tensor {name!r}: hanzo-torch cannot quantize to {plan[name]}")
 
     meta = dict(f.metadata)
@@ -196,10 +208,10 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
             target = plan[name]
             if bar is not None:
                 bar.set_postfix_str(f"{name} {t.qtype}->{target}")
-            if target == t.qtype:
+            if target == t.qtype and name not in replace:
                 out[name] = t  # as llama-quantize: a tensor already of its type is copied, not requantized
             else:
-                dense = t.dequantize(torch.float32)
+                dense = replace[name].float() if name in replace else t.dequantize(torch.float32)
                 if target in _DENSE:
                     out[name] = dense.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[target])
                 else:
