@@ -48,7 +48,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError("hanzo_torch.lora needs peft: pip install 'hanzo-torch[train]'") from e
 
-from .models.layers import Experts, Linear, PackedExperts, PackedLinear
+from .models.layers import Experts, Linear, PackedLinear
 
 __all__ = ["LoraLinear", "LoraExperts", "CUSTOM_MODULES", "register", "lora_layers", "base_model",
            "save_gguf", "load_gguf", "merge"]
