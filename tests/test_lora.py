@@ -381,3 +381,73 @@ def test_compiled_training_step(files):
     torch.testing.assert_close(loss, eager, rtol=1e-4, atol=1e-4)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- the CLI
+def _run(argv, capsys):
+    from hanzo_torch import cli
+
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _adapter_tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "adapter_model.safetensors")
+
+
+def test_cli_finetune_checkpoints_resume_and_generate_lora(files, tmp_path, capsys):
+    import json
+
+    data = tmp_path / "train.jsonl"
+    recs = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"text": "hell hell hell"},
+            {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yo"},
+                          {"role": "assistant", "content": "he"}]}]
+    data.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    common = ["finetune", "-m", files["qwen3"], "--data", data, "--epochs", 2, "--lr", 5e-3, "-c", 48,
+              "--lora-r", 4, "--target-modules", "attn_q,attn_v,ffn_down", "--save-every", 2]
+    rc, out, err = _run([*common, "-o", tmp_path / "a"], capsys)
+    assert rc == 0, err
+    a = tmp_path / "a"
+    for name in ("adapter_model.safetensors", "adapter_config.json", "adapter.gguf"):
+        assert (a / name).is_file(), name
+    assert sorted(p.name for p in a.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]  # 6 steps
+    assert "tok_s=" in err and "loss=" in err  # the tqdm bar
+    config = json.loads((a / "adapter_config.json").read_text())
+    assert config["r"] == 4 and set(config["target_modules"]) == {"attn_q", "attn_v", "ffn_down"}
+
+    # resuming from step 4 reaches the same adapter as the uninterrupted run
+    b = tmp_path / "b"
+    import shutil
+
+    shutil.copytree(a / "checkpoint-4", b / "checkpoint-4")
+    rc, out, err = _run([*common, "-o", b, "--resume", "-q"], capsys)
+    assert rc == 0, err
+    want, got = _adapter_tensors(a), _adapter_tensors(b)
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+    start = _adapter_tensors(b / "checkpoint-4")
+    assert any(not torch.equal(start[k], got[k]) for k in got)  # the two resumed steps trained
+
+    # generate --lora applies the written llama.cpp adapter as the library does
+    gen = ["generate", "-m", files["qwen3"], "-p", "hell", "-n", 6, "--temp", 0, "--max-context", 64, "-q"]
+    rc, plain, _ = _run(gen, capsys)
+    rc2, tuned, _ = _run([*gen, "--lora", a / "adapter.gguf"], capsys)
+    assert rc == rc2 == 0
+    model = hlora.load_gguf(hanzo_torch.load(files["qwen3"], max_context=64), a / "adapter.gguf")
+    assert tuned == model.generate("hell", max_new_tokens=6, temperature=0).text + "\n"
+    rc, _, err = _run([*gen, "--lora-scaled", a / "adapter.gguf", "half"], capsys)
+    assert rc == 2 and "scale must be a number" in err
+    rc, _, err = _run([*gen, "--lora", data], capsys)
+    assert rc == 1 and "not a GGUF file" in err
+
+
+def test_cli_finetune_bad_data(files, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"prompt": "no"}\n')
+    rc, _, err = _run(["finetune", "-m", files["qwen3"], "--data", bad, "-o", tmp_path / "o"], capsys)
+    assert rc == 1 and "bad.jsonl:2" in err
