@@ -6,6 +6,8 @@
     hanzo-torch inspect model.gguf                                # metadata + tensor table
     hanzo-torch bench -m model.gguf -p 128,512 -n 32 -r 3         # llama-bench style pp/tg tokens/s
     hanzo-torch serve -m model.gguf --port 8080 -np 4 -c 8192     # OpenAI-compatible server
+    hanzo-torch finetune -m model.gguf --data train.jsonl -o out/  # LoRA: PEFT adapter + adapter.gguf
+    hanzo-torch generate -m model.gguf --lora out/adapter.gguf -p "Hi"  # apply a llama.cpp LoRA adapter
 
 Generated text goes to stdout as it decodes; load time and prefill/decode tokens/s go to
 stderr. Errors are one line on stderr: exit 1 for a runtime problem (missing file, not a GGUF,
@@ -107,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     g.add_argument("--no-graph", action="store_true",
                    help="decode eagerly on CUDA/HIP and vulkan (default: replay a captured decode graph)")
+    g.add_argument("--lora", action="append", default=[], metavar="FNAME",
+                   help="apply a llama.cpp LoRA adapter GGUF (repeatable; needs the [train] extra: peft)")
+    g.add_argument("--lora-scaled", action="append", default=[], nargs=2, metavar=("FNAME", "SCALE"),
+                   help="apply a LoRA adapter GGUF scaled by SCALE (repeatable)")
     g.add_argument("-q", "--quiet", action="store_true", help="no stats on stderr")
 
     p = sub.add_parser("pull", help="download the default model into the cache")
@@ -195,6 +201,37 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--type", "--outtype", default="F16", help="F32, F16 (default), BF16, Q8_0, Q4_K_M, Q5_K_M, "
                                                               "Q6_K, or another llama-quantize type of `quantize`")
     c.add_argument("--imatrix", metavar="FILE", help="importance matrix to weight the quantization with (as `quantize`)")
+    ft = sub.add_parser("finetune", help="train a LoRA adapter on JSONL chat or text records (PEFT; writes the "
+                                         "PEFT adapter and llama.cpp's adapter GGUF; needs the [train] extra)")
+    _add_debug(ft, argparse.SUPPRESS)
+    ft.add_argument("-t", "--threads", type=_positive_int, metavar="N", help="CPU threads (default: torch's)")
+    ft.add_argument("-m", "--model", metavar="PATH",
+                    help="GGUF file (default: Qwen2.5-Coder-1.5B-Instruct Q4_K_M, downloaded on first use)")
+    ft.add_argument("--device", default="auto", help="torch device (default: cuda if available)")
+    ft.add_argument("--dtype", default="auto", choices=_DTYPES, help="activation dtype (default: the backend's)")
+    ft.add_argument("--data", required=True, metavar="PATH",
+                    help='JSONL: {"messages": [{"role", "content"}, ...]} (loss on assistant tokens) or {"text": ...}')
+    ft.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder")
+    ft.add_argument("--lora-r", type=_positive_int, default=8, metavar="R", help="adapter rank (default 8)")
+    ft.add_argument("--lora-alpha", type=float, default=16.0, metavar="A", help="adapter alpha (default 16)")
+    ft.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="adapter dropout (default 0)")
+    ft.add_argument("--target-modules", default="attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down",
+                    metavar="NAMES", help="comma-separated layer names (GGUF names: attn_q, ffn_up, ffn_up_exps, ...; "
+                                          "default all attention and feed-forward projections)")
+    ft.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (default 2e-4)")
+    ft.add_argument("--epochs", type=_positive_int, default=1, metavar="N", help="passes over the data (default 1)")
+    ft.add_argument("-b", "--batch-size", type=_positive_int, default=1, metavar="N",
+                    help="records per step (default 1)")
+    ft.add_argument("-c", "--ctx-size", type=_positive_int, default=512, metavar="N",
+                    help="tokens per record; longer ones are cut (default 512)")
+    ft.add_argument("--save-every", type=int, default=0, metavar="N",
+                    help="write OUTPUT/checkpoint-<step> every N steps (default 0: none)")
+    ft.add_argument("--resume", nargs="?", const="", metavar="DIR",
+                    help="continue from a checkpoint folder (alone: the latest one in OUTPUT)")
+    ft.add_argument("--no-gradient-checkpointing", action="store_true",
+                    help="keep every block's activations (faster, more memory)")
+    ft.add_argument("--seed", type=int, default=0, help="data order and adapter init seed (default 0)")
+    ft.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -375,11 +412,13 @@ def cmd_generate(args) -> int:
     prompt_text = _read_prompt(args)
     if not prompt_text and not (args.chat or args.system):
         _die("empty prompt: give -p TEXT, -f FILE, or pipe text to stdin")  # before loading 1 GB
+    loras = _lora_args(args)
     _set_threads(args)
     model, path, load_s = _load(args)
     tok = model.tokenizer
     if not args.quiet:
         _err(f"model {path.name} loaded in {load_s:.2f} s on {model.device}{_tp_note(model)}")
+    _apply_loras(model, loras, args.quiet)
     profiling = _vk_profile_start(model.device)
     if args.chat or args.system:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -415,6 +454,40 @@ def cmd_generate(args) -> int:
             _vk_profile_report(st.decode_steps - 1, f"token (decode, {st.decode_steps - 1} steps after the first, "
                                + ("replayed graph)" if st.cuda_graph else "eager)"), vp["decode"])
     return 0
+
+
+def _lora_args(args) -> list:
+    """``[(path, scale)]`` of ``--lora`` / ``--lora-scaled``, checked before the model loads."""
+    out = [(p, 1.0) for p in args.lora]
+    for p, scale in args.lora_scaled:
+        try:
+            out.append((p, float(scale)))
+        except ValueError:
+            raise UsageError(f"--lora-scaled {_esc(p)} {_esc(scale)}: the scale must be a number") from None
+    for p, _ in out:
+        _check_gguf_path(p)
+    if out:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            _die("--lora needs peft: pip install 'hanzo-torch[train]'")
+    return out
+
+
+def _apply_loras(model, loras: list, quiet: bool) -> None:
+    """Apply each ``(path, scale)`` adapter to ``model`` in place (its layers get PEFT LoRA layers)."""
+    if not loras:
+        return
+    from . import lora
+
+    pm, names = model, []
+    for i, (p, scale) in enumerate(loras):
+        name = f"lora{i}"
+        pm = lora.load_gguf(pm, p, scale=scale, adapter_name=name)
+        names.append(name)
+        if not quiet:
+            _err(f"LoRA adapter {_esc(p)} applied (scale {scale:g}, {len(lora.read_gguf(p)[2])} tensors)")
+    pm.base_model.set_adapter(names)  # every adapter active at once, as llama.cpp
 
 
 def _vk_profile_start(device) -> bool:
@@ -647,6 +720,43 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_finetune(args) -> int:
+    from .finetune import FinetuneConfig, finetune
+
+    if not os.path.isfile(args.data):
+        _die(f"--data {_esc(args.data)}: file not found")
+    targets = [t.strip() for t in args.target_modules.split(",") if t.strip()]
+    if not targets:
+        raise UsageError("--target-modules is empty")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        raise UsageError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if args.lr <= 0:
+        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        _die("finetune needs peft: pip install 'hanzo-torch[train]'")
+    from .finetune import load_records
+
+    records = load_records(args.data)  # bad data fails before the model loads
+    _set_threads(args)
+    args.max_context, args.tp = args.ctx_size, None
+    model, path, load_s = _load(args)
+    if not args.quiet:
+        _err(f"model {path.name} loaded in {load_s:.2f} s on {model.device}; {len(records)} records")
+    cfg = FinetuneConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                         target_modules=targets, lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
+                         context=args.ctx_size, save_every=args.save_every, seed=args.seed,
+                         gradient_checkpointing=not args.no_gradient_checkpointing)
+    import torch
+
+    torch.manual_seed(args.seed)
+    resume = None if args.resume is None else (args.resume or args.output)
+    finetune(model, records, args.output, cfg, resume=resume, progress=not args.quiet,
+             log=None if args.quiet else _err)
+    return 0
+
+
 def cmd_quantize(args) -> int:
     import time
 
@@ -793,7 +903,7 @@ def cmd_serve(args) -> int:
 
 _COMMANDS = {"generate": cmd_generate, "pull": cmd_pull, "inspect": cmd_inspect, "bench": cmd_bench,
              "export": cmd_export, "serve": cmd_serve, "quantize": cmd_quantize, "convert": cmd_convert,
-             "imatrix": cmd_imatrix}
+             "imatrix": cmd_imatrix, "finetune": cmd_finetune}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

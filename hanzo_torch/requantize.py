@@ -205,7 +205,8 @@ def imatrix_metadata(imatrix) -> tuple[dict, dict]:
 
 
 def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
-               log: Optional[Callable[[str], None]] = None, imatrix=None) -> dict[str, str]:
+               log: Optional[Callable[[str], None]] = None, imatrix=None,
+               replace: Optional[dict[str, torch.Tensor]] = None) -> dict[str, str]:
     """Requantize GGUF ``src`` to ``dst`` with llama-quantize's recipe for ``ftype``.
 
     Args:
@@ -217,6 +218,9 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
             :func:`hanzo_torch.imatrix.load_imatrix`) or an :class:`~hanzo_torch.imatrix.IMatrix`;
             llama-quantize ``--imatrix``'s type choices and weights, and its ``quantize.imatrix.*``
             keys in the output.
+        replace: ``tensor name -> float tensor`` (the tensor's shape) written in place of the
+            file's tensor, always quantized to its chosen type (a LoRA merge,
+            :func:`hanzo_torch.lora.merge`).
 
     Returns:
         ``tensor name -> ggml type`` written.
@@ -251,6 +255,13 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
                    tied="output.weight" not in infos,
                    n_expert=int(f.metadata.get(f"{arch}.expert_count", 0)) if arch else 0,
                    n_gqa=_n_gqa(f.metadata, arch), has_imatrix=imatrix is not None)
+    replace = dict(replace or {})
+    for name, x in replace.items():
+        if name not in infos:
+            raise ValueError(f"{src}: replace names tensor {name!r}, which the file lacks")
+        if tuple(x.shape) != tuple(infos[name].shape) or not x.is_floating_point():
+            raise ValueError(f"replace[{name!r}]: a float tensor of shape {tuple(infos[name].shape)} is needed, "
+                             f"got {x.dtype} {tuple(x.shape)}")
     plan = {}
     for name in names:
         info = infos[name]
@@ -258,7 +269,8 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
         if src_type is None:
             raise ValueError(f"{src}: tensor {name!r} has ggml type {info.qtype}, which hanzo-torch cannot read")
         plan[name] = tensor_type(name, tuple(info.shape), src_type, key, state)
-        if plan[name] != src_type and get_format(plan[name]).quantize_blocks is None:
+        if (plan[name] != src_type or name in replace) and get_format(plan[name]).quantize_blocks is None \
+                and plan[name] not in _DENSE:
             raise ValueError(f"tensor {name!r}: hanzo-torch cannot quantize to {plan[name]}")
     weights = {}
     for name in names:
@@ -292,10 +304,10 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
             target = plan[name]
             if bar is not None:
                 bar.set_postfix_str(f"{name} {t.qtype}->{target}")
-            if target == t.qtype:
+            if target == t.qtype and name not in replace:
                 out[name] = t  # as llama-quantize: a tensor already of its type is copied, not requantized
             else:
-                dense = t.dequantize(torch.float32)
+                dense = replace[name].float() if name in replace else t.dequantize(torch.float32)
                 if target in _DENSE:
                     out[name] = dense.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[target])
                 else:

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-EXPECTED = {"quickstart", "formats_and_ops", "compile_and_export"}
+EXPECTED = {"quickstart", "formats_and_ops", "compile_and_export", "finetune_lora"}
 CELL_TIMEOUT_S = 600
 
 nbformat = pytest.importorskip("nbformat", reason='the notebook tests need the [notebooks] extra: '

@@ -33,6 +33,8 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 
 from ..generation import SequenceState
@@ -78,20 +80,44 @@ class Block(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
         self.attn_impl = "auto"
 
-    def forward(self, x: Tensor, residual: Optional[Tensor], positions: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, residual: Optional[Tensor], positions: Tensor,
+                use_cache: bool = True) -> tuple[Tensor, Tensor]:
         """``x [B, T, H]``: the previous sub-layer's output (the embeddings, with ``residual``
         None, for the first layer); ``positions`` int64 ``[B, T]``. Returns ``(output,
-        residual)``, the residual add of ``output`` left to the next norm."""
+        residual)``, the residual add of ``output`` left to the next norm. ``use_cache=False``:
+        causal attention over these T tokens only, the KV cache neither read nor written."""
         h, residual = self.attn_norm(x, residual)
-        h, residual = self.ffn_norm(self.attention(h, positions), residual)
+        attn = self.attention(h, positions) if use_cache else self.attention_no_cache(h, positions)
+        h, residual = self.ffn_norm(attn, residual)
         return (self.moe(h) if self.args.moe else self.feed_forward(h)), residual
 
-    def attention(self, x: Tensor, positions: Tensor) -> Tensor:
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         a = self.args
         B, T, _ = x.shape
         q = self.attn_q(x).view(B, T, a.n_head, a.head_dim)  # [B, T, Hq, D]
         k = self.attn_k(x).view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hk, D]
         v = self.attn_v(x).view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hk, D]
+        return q, k, v
+
+    def attention_no_cache(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Training attention: RoPE at ``positions``, causal by index within the T tokens, scores,
+        softmax and P*V in float32 (docs/DESIGN.md section 6), differentiable; no KV cache."""
+        a = self.args
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x)
+        q_w, k_w = (self.attn_q_norm.weight, self.attn_k_norm.weight) if a.qk_norm else (None, None)
+        q, k = hanzo.qk_norm_rope(q, k, q_w, k_w, positions, a.rope_theta, a.norm_eps)
+        # [B, H, T, D] float32; enable_gqa reads KV head h // (Hq/Hk) for query head h, as hanzo::attention
+        o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.float().transpose(1, 2),
+                                           v.float().transpose(1, 2), is_causal=True,
+                                           scale=1.0 / math.sqrt(a.head_dim), enable_gqa=True)
+        o = o.transpose(1, 2).reshape(B, T, a.n_head * a.head_dim).to(x.dtype)
+        return self.attn_output(o)  # [B, T, H]
+
+    def attention(self, x: Tensor, positions: Tensor) -> Tensor:
+        a = self.args
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x)
         q_w, k_w = (self.attn_q_norm.weight, self.attn_k_norm.weight) if a.qk_norm else (None, None)
         k_cache, v_cache = self._buffers["k_cache"], self._buffers["v_cache"]
         # q/k norm + RoPE, and the rotated k and v written into the caches, in one op
@@ -202,7 +228,8 @@ class Transformer(SequenceState, nn.Module):
                 blk.k_cache, blk.v_cache = k, v
             self.cache_batch_size, self.seq_len = B, seq_len
 
-    def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None, *, last_only: bool = False) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None, *, last_only: bool = False,
+                use_cache: bool = True) -> Tensor:
         """Run ``input_ids`` through the model, appending their keys/values to the KV cache.
 
         Args:
@@ -210,6 +237,13 @@ class Transformer(SequenceState, nn.Module):
             positions: integer ``[B, T]`` positions of the tokens (a device tensor, for graph
                 capture), or None to continue the sequence after the tokens fed so far.
             last_only: compute logits for the last position only (``[B, 1, V]``), as sampling needs.
+            use_cache: False: the training forward. ``B`` independent sequences of ``T`` tokens
+                (pad on the right), each attending causally to its own tokens only; the KV cache
+                and the sequence bookkeeping are neither read nor written, positions default to
+                ``0..T-1`` (given ones only move RoPE), and the whole graph is differentiable
+                (the LoRA adapters of :mod:`hanzo_torch.lora`, prompt tuning). With
+                :meth:`gradient_checkpointing_enable` each block's activations are recomputed in
+                backward. ``ubatch`` does not apply.
 
         Returns:
             float32 logits ``[B, T, V]``.
@@ -222,6 +256,8 @@ class Transformer(SequenceState, nn.Module):
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if not use_cache:
+            return self._forward_no_cache(input_ids, positions, last_only)
         ub = self.ubatch
         if ub is not None and (not isinstance(ub, int) or isinstance(ub, bool) or ub < 0):
             raise ValueError(f"ubatch must be a non-negative int (0 or None: one pass), got {ub!r}")
@@ -239,6 +275,54 @@ class Transformer(SequenceState, nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.output(x).float()  # [B, T, V]
+
+    def _forward_no_cache(self, input_ids: Tensor, positions: Optional[Tensor], last_only: bool) -> Tensor:
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=self.device).expand(B, T)
+        elif tuple(positions.shape) != (B, T) or positions.is_floating_point():
+            raise ValueError(f"positions must be integer [B, T] = [{B}, {T}], got {positions.dtype} "
+                             f"{tuple(positions.shape)}")
+        positions = positions.to(self.device)
+        x, residual = self.token_embd(input_ids.to(self.device)), None  # [B, T, H]
+        checkpointing = self.gradient_checkpointing and torch.is_grad_enabled()
+        for blk in self.blk:
+            if checkpointing:
+                x, residual = torch.utils.checkpoint.checkpoint(blk, x, residual, positions, False,
+                                                                use_reentrant=False)
+            else:
+                x, residual = blk(x, residual, positions, False)
+        x, _ = self.output_norm(x, residual)
+        if last_only:
+            x = x[:, -1:]
+        return self.output(x).float()  # [B, T, V]
+
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in backward (``use_cache=False`` forwards with grad on)."""
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Optional[dict] = None) -> None:
+        """Checkpoint every block (``torch.utils.checkpoint``, non-reentrant) in the training forward,
+        as transformers' method of the same name: activations of one block at a time are kept for
+        backward, at the cost of a second forward of each block. ``gradient_checkpointing_kwargs``
+        is accepted for transformers' signature; only ``use_reentrant=False`` is supported.
+
+        Raises:
+            ValueError: ``gradient_checkpointing_kwargs`` asks for ``use_reentrant=True`` or other keys.
+        """
+        kw = dict(gradient_checkpointing_kwargs or {})
+        if kw.pop("use_reentrant", False) or kw:
+            raise ValueError(f"gradient_checkpointing_kwargs: only use_reentrant=False is supported, got "
+                             f"{gradient_checkpointing_kwargs!r}")
+        self.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        """Undo :meth:`gradient_checkpointing_enable`."""
+        self.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """transformers' name for :attr:`gradient_checkpointing`."""
+        return self.gradient_checkpointing
 
     def _hidden(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """The final normed hidden states ``[B, T, H]`` of tokens at ``positions`` (KV caches written)."""
