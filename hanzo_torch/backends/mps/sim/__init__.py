@@ -26,13 +26,15 @@ import os
 import re
 import shutil
 import subprocess
+import contextlib
 import threading
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["KernelFault", "to_cpp", "library", "SimRunner", "reason", "CXXFLAGS"]
+__all__ = ["KernelFault", "to_cpp", "library", "build", "SimRunner", "on_cpu", "reason", "CXXFLAGS"]
 
 CXXFLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing", "-w")
 """g++ flags of the harness: no multiply-add contraction (the kernels' roundings stay theirs)."""
@@ -102,14 +104,14 @@ def to_cpp(text: str, sig: dict) -> str:
 
 
 def _build_dir() -> Path:
+    """``<cache>/mps-sim-<key>``: keyed by the shim, the flags and the compiler (a library's file
+    name is the hash of its C++ text)."""
     from ...._native import cache_root
-    from .. import generate
 
     h = hashlib.sha256()
-    h.update(generate.msl_dir().name.encode())
     h.update(_SHIM.read_bytes())
-    h.update(Path(__file__).read_bytes())
     h.update(" ".join(CXXFLAGS).encode())
+    h.update((shutil.which(os.environ.get("CXX", "g++")) or "").encode())
     return cache_root() / f"mps-sim-{h.hexdigest()[:16]}"
 
 
@@ -119,34 +121,44 @@ def library(shader: str) -> ctypes.CDLL:
         lib = _libs.get(shader)
         if lib is not None:
             return lib
-        from ...._native import build_lock
         from .. import generate
 
         src_dir = generate.ensure_sources()
         kernels = [s for s in generate.manifest()["kernels"].values() if s["shader"] == shader]
         if not kernels:
             raise KeyError(f"no Metal kernels of shader {shader!r}")
-        out = _build_dir()
-        so = out / f"{shader}.so"
-        with build_lock(out):
-            if not so.is_file():
-                parts = [f'#include "{_SHIM}"']
-                for sig in kernels:
-                    parts.append(to_cpp((src_dir / f"{sig['entry']}.metal").read_text(), sig))
-                cpp = out / f"{shader}.cpp"
-                cpp.write_text("\n".join(parts))
-                tmp = out / f".{shader}.{os.getpid()}.so"
-                cmd = [os.environ.get("CXX", "g++"), *CXXFLAGS, str(cpp), "-o", str(tmp)]
-                r = subprocess.run(["nice", *cmd], capture_output=True, text=True)
-                if r.returncode:
-                    raise RuntimeError(f"mps-sim: compiling {shader} failed: {(r.stderr or r.stdout)[-3000:]}")
-                os.replace(tmp, so)
-        lib = ctypes.CDLL(str(so))
-        lib.hz_sim_alloc.restype = ctypes.c_void_p
-        lib.hz_sim_alloc.argtypes = [ctypes.c_size_t]
-        lib.hz_sim_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libs[shader] = lib
+        lib = _libs[shader] = build(shader, [((src_dir / f"{sig['entry']}.metal").read_text(), sig) for sig in kernels])
         return lib
+
+
+def build(name: str, kernels: list) -> ctypes.CDLL:
+    """Compile ``kernels`` (``[(metal text, manifest signature)]``) into one harness library
+    ``<cache>/mps-sim-<key>/<name>-<hash>.so`` (cached by content) and load it.
+
+    Raises:
+        RuntimeError: the C++ compiler rejected the translation (its message, shortened).
+    """
+    from ...._native import build_lock
+
+    cpp_text = "\n".join([f'#include "{_SHIM}"'] + [to_cpp(text, sig) for text, sig in kernels])
+    digest = hashlib.sha256(cpp_text.encode()).hexdigest()[:12]
+    out = _build_dir()
+    so = out / f"{name}-{digest}.so"
+    with build_lock(out):
+        if not so.is_file():
+            cpp = out / f"{name}-{digest}.cpp"
+            cpp.write_text(cpp_text)
+            tmp = out / f".{name}.{os.getpid()}.so"
+            cmd = [os.environ.get("CXX", "g++"), *CXXFLAGS, str(cpp), "-o", str(tmp)]
+            r = subprocess.run(["nice", *cmd], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"mps-sim: compiling {name} failed: {(r.stderr or r.stdout)[-3000:]}")
+            os.replace(tmp, so)
+    lib = ctypes.CDLL(str(so))
+    lib.hz_sim_alloc.restype = ctypes.c_void_p
+    lib.hz_sim_alloc.argtypes = [ctypes.c_size_t]
+    lib.hz_sim_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
 
 
 class _Grid(ctypes.Structure):
@@ -160,8 +172,9 @@ class SimRunner:
 
     device = torch.device("cpu")
 
-    def __init__(self):
+    def __init__(self, lib: Optional[ctypes.CDLL] = None):
         self.launches = 0
+        self.lib = lib  # a library of :func:`build` to run instead of the generated kernels (tests)
 
     def launch(self, launch) -> None:
         """Run one :class:`..launch.Launch` (encoded by :func:`..launch.encode`, as on a Mac)."""
@@ -174,7 +187,7 @@ class SimRunner:
         """Dispatch kernel ``sig`` (a manifest signature) over ``groups`` threadgroups; ``buffers``
         are the tensors bound at indices 1.. (None: no tensor, a 16-byte dummy is bound), written
         back after the dispatch."""
-        lib = library(sig["shader"])
+        lib = self.lib if self.lib is not None else library(sig["shader"])
         fn = getattr(lib, f"{sig['entry']}_launch")
         if any(g == 0 for g in groups):
             return
@@ -221,3 +234,26 @@ class SimRunner:
         finally:
             for p, n, _ in allocs:
                 lib.hz_sim_free(p, n)
+
+
+@contextlib.contextmanager
+def on_cpu(ops: Optional[list] = None) -> Iterator[SimRunner]:
+    """Within the block, the ``hanzo`` ops ``ops`` (default every op of :data:`..launch.OPS`) of
+    CPU tensors run the Metal kernels on the harness: the launch code of the MPS backend,
+    registered on the CPU dispatch key in front of the C++ kernels (removed after). Yields the
+    runner (its ``launches`` count the dispatches). Slow (a CPU emulation of a GPU): tiny models."""
+    from .. import launch
+    from ... import activate
+
+    activate("cpu")  # the C++ kernels first, so that these registrations are in front
+    runner = SimRunner()
+    lib = torch.library.Library("hanzo", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+            for op in ops or list(launch.OPS):
+                fn = launch.OPS[op]
+                lib.impl(op, (lambda f: lambda *args: f(runner, *args))(fn), "CPU")
+        yield runner
+    finally:
+        lib._destroy()

@@ -90,8 +90,8 @@ inline float sin(float a) { return std::sin(a); }
 inline float cos(float a) { return std::cos(a); }
 inline bool isnan(float a) { return std::isnan(a); }
 inline bool isinf(float a) { return std::isinf(a); }
-namespace fast { using metal::max; using metal::min; using metal::exp; using metal::sqrt; using metal::rsqrt; }
-namespace precise { using metal::max; using metal::min; using metal::exp; using metal::sqrt; using metal::rsqrt; }
+namespace fast { using metal::max; using metal::min; using metal::clamp; using metal::exp; using metal::sqrt; using metal::rsqrt; }
+namespace precise { using metal::max; using metal::min; using metal::clamp; using metal::exp; using metal::sqrt; using metal::rsqrt; }
 
 inline int extract_bits(int x, uint off, uint bits) {
   if (bits == 0) return 0;
