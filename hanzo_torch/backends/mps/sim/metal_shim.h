@@ -136,13 +136,18 @@ struct Ids {
 constexpr size_t kStack = 256 * 1024;
 constexpr int kMaxThreads = 1024;
 
+// A fiber starts on its own stack through ucontext (makecontext/setcontext: one signal-mask
+// system call per fiber and threadgroup) and then switches with _setjmp/_longjmp, which leave the
+// signal mask alone (swapcontext makes two system calls per switch).
 struct Fiber {
   ucontext_t ctx;
+  jmp_buf jb;
   int state;  // 0 running, 1 at a barrier, 2 done
+  bool started;
 };
 
 struct State {
-  ucontext_t main;
+  jmp_buf main;
   Fiber* fibers = nullptr;
   char* stacks = nullptr;
   int current = -1;
@@ -165,7 +170,7 @@ inline void fiber_main(int i) {
   State& s = state();
   s.body(s.closure, s.ids[i]);
   s.fibers[i].state = 2;
-  swapcontext(&s.fibers[i].ctx, &s.main);
+  _longjmp(s.main, 1);
 }
 
 inline void on_fault(int, siginfo_t* info, void*) {
@@ -189,6 +194,7 @@ inline int dispatch(const Grid& g, F& f, bool barriers, char* err, size_t errlen
   s.error = nullptr;
   if (barriers && s.fibers == nullptr) {
     s.fibers = new Fiber[kMaxThreads];
+    for (int f = 0; f < kMaxThreads; ++f) getcontext(&s.fibers[f].ctx);
     s.stacks = static_cast<char*>(mmap(nullptr, kStack * kMaxThreads, PROT_READ | PROT_WRITE,
                                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
   }
@@ -223,11 +229,11 @@ inline int dispatch(const Grid& g, F& f, bool barriers, char* err, size_t errlen
           }
           s.fibered = true;
           for (i = 0; i < L; ++i) {
-            getcontext(&s.fibers[i].ctx);
             s.fibers[i].ctx.uc_stack.ss_sp = s.stacks + kStack * i;
             s.fibers[i].ctx.uc_stack.ss_size = kStack;
             s.fibers[i].ctx.uc_link = nullptr;
             s.fibers[i].state = 0;
+            s.fibers[i].started = false;
             makecontext(&s.fibers[i].ctx, (void (*)())fiber_main, 1, (int)i);
           }
           // rounds: every live thread runs to its next barrier or its end; a barrier that some
@@ -238,7 +244,13 @@ inline int dispatch(const Grid& g, F& f, bool barriers, char* err, size_t errlen
               if (s.fibers[i].state == 2) continue;
               s.current = (int)i;
               s.fibers[i].state = 0;
-              swapcontext(&s.main, &s.fibers[i].ctx);
+              if (_setjmp(s.main) == 0) {
+                if (!s.fibers[i].started) {
+                  s.fibers[i].started = true;
+                  setcontext(&s.fibers[i].ctx);
+                }
+                _longjmp(s.fibers[i].jb, 1);
+              }
               if (s.error) break;
             }
             s.current = -1;
@@ -273,7 +285,7 @@ inline void metal::threadgroup_barrier(mem_flags) {
   }
   const int i = s.current;
   s.fibers[i].state = 1;
-  swapcontext(&s.fibers[i].ctx, &s.main);
+  if (_setjmp(s.fibers[i].jb) == 0) _longjmp(s.main, 1);
 }
 
 // Guarded buffers: n bytes whose end touches a PROT_NONE page (a read or write past the end
