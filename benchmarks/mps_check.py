@@ -145,7 +145,7 @@ def model(table: Table, device: str, path: str, pp: int, tg: int) -> None:
 
     m = hanzo_torch.load(path, device=device, max_context=pp + tg + 8)
     table.add("model", os.path.basename(path), str(m.blk[0].attn_norm.weight.dtype), f"on {device}")
-    prompt = torch.randint(100, 1000, (1, pp), generator=torch.Generator().manual_seed(0)).to(device)
+    prompt = torch.randint(0, 200, (1, pp), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         m.reset()
         m(prompt[:, :8])  # first calls compile the kernels

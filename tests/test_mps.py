@@ -49,6 +49,8 @@ def test_backend_serves_mps_and_says_why_it_cannot_run_here():
         st = b.status()
         assert st["available"] is False and st["formats"] == () and st["kernels"] == len(generate.manifest()["kernels"])
         assert b.register() == frozenset()
+        with pytest.raises(RuntimeError, match="mps device is unavailable: not macOS"):
+            hanzo_torch.load(str(ROOT / "no-such-file.gguf"), device="mps")
     # every op the Vulkan backend has a kernel for has Metal launch code (its shaders are these kernels)
     vk = set()
     for f in (ROOT / "csrc" / "vulkan").glob("ops_*.cpp"):
@@ -61,7 +63,7 @@ def test_cli_device_mps_says_why():
     p = subprocess.run([sys.executable, "-m", "hanzo_torch.cli", "generate", "--device", "mps", "--model", "x.gguf",
                         "-p", "hi"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     if sys.platform != "darwin":
-        assert p.returncode != 0 and "--device mps requested but not macOS" in p.stderr, p.stderr[-2000:]
+        assert p.returncode != 0 and "mps device is unavailable: not macOS" in p.stderr, p.stderr[-2000:]
 
 
 @needs_harness
@@ -188,6 +190,25 @@ def _op_calls():
     ]
 
 
+def _truth(op, args):
+    """float64 results of the contractions from the dequantized weights (the op references
+    quantize the activations as the CPU kernels do; these kernels are float)."""
+    if op not in ("mul_mat", "mul_mat_id", "swiglu_mul_mat"):
+        return getattr(torch.ops.hanzo_ref, op)(*args)
+
+    def dense(w, q):
+        return torch.ops.hanzo_ref.dequantize(w, q, [*w.shape[:-1], args[0].shape[-1]], torch.float32).double()
+
+    x = args[0].double()
+    if op == "mul_mat":
+        return x @ dense(args[1], args[2]).t()
+    if op == "swiglu_mul_mat":
+        return torch.nn.functional.silu(x @ dense(args[1], args[3]).t()) * (x @ dense(args[2], args[4]).t())
+    w, ids = dense(args[1], args[3]), args[2]
+    xs = x.unsqueeze(1).expand(ids.shape[0], ids.shape[1], x.shape[-1]) if x.dim() == 2 else x
+    return torch.einsum("tsk,tsnk->tsn", xs, w[ids])
+
+
 def _close(got, want):
     if isinstance(want, (tuple, list)):
         for a, b in zip(got, want):
@@ -196,7 +217,10 @@ def _close(got, want):
     if want.dtype in (torch.int64, torch.uint8):
         assert torch.equal(got, want)
         return
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * max(1.0, want.abs().max().item()))
+    # float16/bfloat16 results, and the q8_1 activations of the int8 path, within 2% of the largest
+    # value; a wrong buffer, offset or threadgroup count is off by far more
+    torch.testing.assert_close(got.double(), want.double(), rtol=2e-2,
+                               atol=2e-2 * max(1.0, want.abs().max().item()), check_dtype=False)
 
 
 @needs_harness
@@ -208,7 +232,7 @@ def test_mac_launch_path_against_a_recording_compile_shader():
         ref = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         n = len(rec.calls)
         got = launch.OPS[op](runner, *mine)
-        want = getattr(torch.ops.hanzo_ref, op)(*ref)
+        want = _truth(op, ref)
         assert len(rec.calls) > n, f"{op} launched no kernel"
         if op in ("kv_cache_write", "qk_norm_rope_kv_write"):  # the caches, written in place
             i = 0 if op == "kv_cache_write" else 5
@@ -218,10 +242,30 @@ def test_mac_launch_path_against_a_recording_compile_shader():
     with launch.use_int8(True):
         x, w = torch.randn(12, 256), random_packed("Q8_0", (8, 256), seed=3)
         for m in (1, 12):  # mul_mat_vec_q8, mul_mat_q8 (and quantize_q8_1)
-            _close(launch.mul_mat(runner, x[:m], w, "Q8_0"), torch.ops.hanzo_ref.mul_mat(x[:m], w, "Q8_0"))
+            _close(launch.mul_mat(runner, x[:m], w, "Q8_0"), _truth("mul_mat", (x[:m], w, "Q8_0")))
     shaders = {rec.kernels[e]["shader"] for e, _ in rec.calls}
     assert shaders == set(generate.SHADERS), set(generate.SHADERS) - shaders
-    assert rec.compiled == len({e for e, _ in rec.calls})  # one library per kernel, compiled once
+    # every format's kernels, at small shapes (their numbers: the mps-sim conformance backend)
+    from hanzo_torch import get_format
+
+    int8 = set(launch.int8_formats())
+    for q in launch.formats():
+        K = max(get_format(q).block_size, 32)
+        w, w3 = random_packed(q, (3, K), seed=6), random_packed(q, (2, 3, K), seed=7)
+        x = torch.randn(9, K)
+        _close(launch.dequantize(runner, w, q, [3, K], torch.float32),
+               torch.ops.hanzo_ref.dequantize(w, q, [3, K], torch.float32))
+        for m in (1, 9):
+            _close(launch.mul_mat(runner, x[:m], w, q), _truth("mul_mat", (x[:m], w, q)))
+        ids = torch.tensor([[1], [0]])
+        _close(launch.mul_mat_id(runner, x[:2], w3, ids, q), _truth("mul_mat_id", (x[:2], w3, ids, q)))
+        _close(launch.swiglu_mul_mat(runner, x[:1], w, w, q, q), _truth("swiglu_mul_mat", (x[:1], w, w, q, q)))
+        if q in int8 and K % 32 == 0:
+            with launch.use_int8(True):
+                for m in (1, 9):
+                    _close(launch.mul_mat(runner, x[:m], w, q), _truth("mul_mat", (x[:m], w, q)))
+    assert {e for e, _ in rec.calls} == set(rec.kernels), set(rec.kernels) - {e for e, _ in rec.calls}
+    assert rec.compiled == len(rec.kernels)  # one library per kernel, compiled once
 
 
 def _q8_0_matvec(runner, x, w):
@@ -270,6 +314,35 @@ def test_out_of_bounds_accesses_are_caught():
     torch.testing.assert_close(launch.dequantize(runner, w, "Q8_0", [4, 256], torch.float32),
                                torch.ops.hanzo_ref.dequantize(w, "Q8_0", [4, 256], torch.float32), rtol=0, atol=0)
     _close(launch.mul_mat(runner, x, w, "Q8_0"), torch.ops.hanzo_ref.mul_mat(x, w, "Q8_0"))
+
+
+_DIVERGENT = """#include <metal_stdlib>
+using namespace metal;
+struct Push
+{
+    uint n;
+};
+kernel void hz_divergent(constant Push& p [[buffer(0)]], device uchar* y_buf [[buffer(1)]], uint3 gl_LocalInvocationID [[thread_position_in_threadgroup]])
+{
+    if (gl_LocalInvocationID.x < p.n)
+    {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    y_buf[gl_LocalInvocationID.x] = uchar(1);
+}
+"""
+
+
+@needs_harness
+def test_a_barrier_that_some_threads_skip_is_caught():
+    sig = {"entry": "hz_divergent", "shader": "divergent", "builtins": ["thread_position_in_threadgroup"],
+           "barrier": True, "local": [4, 1, 1]}
+    runner = sim.SimRunner(sim.build("divergent", [(_DIVERGENT, sig)]))
+    y = torch.zeros(4, dtype=torch.uint8)
+    runner.run(sig, (4).to_bytes(4, "little"), [y], (2, 1, 1))  # every thread at the barrier
+    assert y.tolist() == [1, 1, 1, 1]
+    with pytest.raises(sim.KernelFault, match="barrier"):
+        runner.run(sig, (2).to_bytes(4, "little"), [y], (1, 1, 1))
 
 
 @needs_harness

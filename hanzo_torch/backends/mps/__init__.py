@@ -29,7 +29,7 @@ from . import launch as _launch
 NAME = "mps"
 DEVICE_TYPES = ("mps",)
 
-__all__ = ["NAME", "DEVICE_TYPES", "reason", "available", "status", "formats", "register", "synchronize",
+__all__ = ["NAME", "DEVICE_TYPES", "device_reason", "reason", "available", "status", "formats", "register", "synchronize",
            "MPSBackend", "BACKEND"]
 
 _lock = threading.Lock()
@@ -37,14 +37,23 @@ _registered: Optional[frozenset] = None
 _lib = None
 
 
-def reason() -> Optional[str]:
-    """Why the kernels cannot run here (None: they can). Cheap: nothing is compiled."""
+def device_reason() -> Optional[str]:
+    """Why torch cannot make "mps" tensors here (None: it can). Cheap."""
     if sys.platform != "darwin":
         return f"not macOS (this is {sys.platform}): the Metal kernels run only on the CPU harness (mps-sim)"
     if not torch.backends.mps.is_built():
         return "this torch was built without MPS"
     if not torch.backends.mps.is_available():
         return "torch's MPS device is unavailable (macOS 12.3+ with an Apple or AMD GPU)"
+    return None
+
+
+def reason() -> Optional[str]:
+    """Why the kernels cannot run here (None: they can): :func:`device_reason`, or the missing
+    ``torch.mps.compile_shader`` or translation tools. Cheap: nothing is compiled."""
+    why = device_reason()
+    if why is not None:
+        return why
     if not hasattr(torch.mps, "compile_shader"):
         return f"torch {torch.__version__} has no torch.mps.compile_shader (torch 2.6 or later)"
     from . import generate
@@ -124,6 +133,15 @@ class MPSBackend(Backend):
 
     def reason(self) -> Optional[str]:
         return reason()
+
+    def device_reason(self, device) -> Optional[str]:
+        return device_reason()
+
+    def prepare_device(self, device):
+        why = device_reason()
+        if why is not None:
+            raise RuntimeError(f"the mps device is unavailable: {why}")
+        return torch.device(device)
 
     def register(self) -> frozenset:
         return register()
