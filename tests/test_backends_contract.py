@@ -49,7 +49,7 @@ def test_every_backend_package_implements_the_contract():
         for op, fmts in b.op_formats.items():
             assert isinstance(fmts, frozenset) and fmts <= set(hanzo_torch.FORMATS), (name, op)
     assert backends.for_device("cpu").name == "cpu" and backends.for_device("cuda:1").name == "triton"
-    assert backends.for_device("vulkan").name == "vulkan" and backends.for_device("mps").name == "reference"
+    assert backends.for_device("vulkan").name == "vulkan" and backends.for_device("mps").name == "mps"
     assert backends.auto_device() == ("cuda" if torch.cuda.is_available() else "cpu")
 
 

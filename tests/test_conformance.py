@@ -27,6 +27,11 @@ Backends:
   the formats with int8 rules; held to float32 rounding of ``x_hat @ W^T`` with ``x_hat`` the q8_1
   values of x. Present where the device enables integer dot products (lavapipe does).
 
+- ``mps-sim``: the Metal kernels of the mps backend (hanzo_torch/backends/mps, translated from the
+  Vulkan shaders) compiled as C++ and run on the CPU harness, through the launch code a Mac runs;
+  ``mps-sim-int8``: its contractions with the int8 path forced on (formats with int8 kernels);
+- ``mps``: the ops on "mps" tensors, on a Mac with torch's MPS device (benchmarks/mps_check.py).
+
 A new backend gets its tests by adding a :class:`Backend` to :func:`_backends`; the optional
 fields say what the suite can check more tightly (the activations its contractions really use,
 where its mat-vec path ends, which dtypes it computes in).
@@ -229,14 +234,65 @@ def _vulkan_int8_backend() -> Optional[Backend]:
                    edge_formats=edge)
 
 
+def _mps_sim_backend(int8: bool) -> Backend:
+    """The Metal kernels of the mps backend on the CPU harness (hanzo_torch/backends/mps/sim):
+    the launch code a Mac runs, with the harness's runner; float path, or the int8 path of the
+    contractions for the formats with int8 kernels."""
+    from hanzo_torch.backends.mps import launch as mps_launch
+    from hanzo_torch.backends.mps.sim import SimRunner
+
+    runner = SimRunner()
+
+    def run(op, *args):
+        with mps_launch.use_int8(int8):
+            return mps_launch.OPS[op](runner, *args)
+
+    fmts = mps_launch.formats()
+    if int8:
+        int8_fmts = mps_launch.int8_formats()
+        return Backend("mps-sim-int8", run, tuple(q for q in fmts if q in int8_fmts),
+                       x_hat=lambda op, x, qtype: _q8_1_values(x) if op != "mul_mat_id" else x.double(),
+                       matvec_max_rows=mps_launch.MATVEC_MAX_ROWS, edge_formats=("Q4_0", "Q8_0", "Q4_K", "Q6_K"))
+    # every format gets the decode, GEMM, mul_mat_id and dequantize cases; the sweeps (tails,
+    # extreme bytes, every dtype) take the formats of each kernel family once
+    edge = ("F32", "F16", "BF16", "Q4_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ2_XXS", "IQ2_S", "IQ3_S",
+            "IQ1_M", "IQ4_XS", "TQ1_0", "MXFP4", "NVFP4")
+    return Backend("mps-sim", run, fmts, dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                   x_hat=lambda op, x, qtype: x.double(), matvec_max_rows=mps_launch.MATVEC_MAX_ROWS,
+                   edge_formats=tuple(q for q in edge if q in fmts))
+
+
+def _mps_backend() -> Backend:
+    """The ops on "mps" tensors (a Mac): arguments moved there, results brought back."""
+    from hanzo_torch.backends import mps
+
+    def run(op, *args):
+        dev = [a.to("mps") if isinstance(a, torch.Tensor) else a for a in args]
+        with hanzo_torch.ops.use_reference(op, enabled=False):
+            out = getattr(torch.ops.hanzo, op)(*dev)
+        for i in _IN_PLACE.get(op, ()):
+            args[i].copy_(dev[i].cpu())
+        if isinstance(out, (tuple, list)):
+            return type(out)(v.cpu() for v in out)
+        return out.cpu() if isinstance(out, torch.Tensor) else out
+
+    return Backend("mps", run, tuple(mps.formats()), dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                   x_hat=lambda op, x, qtype: x.double(), matvec_max_rows=constants.VULKAN_MATVEC_MAX_ROWS)
+
+
 def _backends() -> list:
     if ONLY == "triton-interp":
         return [_triton_backend()]
-    from hanzo_torch.backends import cpu, vulkan
+    from hanzo_torch.backends import cpu, mps, vulkan
+    from hanzo_torch.backends.mps import sim as mps_sim
 
     out = [_cpu_backend(isa) for isa in cpu.isa_levels()] if cpu.extension() is not None else []
     if vulkan.available():
         out.append(_vulkan_backend())
+    if mps_sim.reason() is None:
+        out.append(_mps_sim_backend(False))
+    if mps.available():
+        out.append(_mps_backend())
     return out
 
 
@@ -247,6 +303,8 @@ def _contraction_backends() -> list:
         int8 = _vulkan_int8_backend()
         if int8 is not None:
             out.append(int8)
+    if any(b.name == "mps-sim" for b in BACKENDS):
+        out.append(_mps_sim_backend(True))
     return out
 
 
