@@ -121,7 +121,7 @@ def test_inspect_backends(capsys):
     rc, out, err = run(["inspect", "--backends"], capsys)
     assert rc == 0
     lines = out.strip().splitlines()
-    assert [ln.split(":")[0] for ln in lines] == ["reference", "cpu", "triton", "vulkan"]
+    assert [ln.split(":")[0] for ln in lines] == ["reference", "cpu", "mps", "triton", "vulkan"]
     assert "unavailable" in lines[2] or "available" in lines[2]
     assert lines[3].startswith("vulkan: available on vulkan") or lines[3].startswith("vulkan: unavailable (")
     rc, out, err = run(["inspect"], capsys)
