@@ -506,3 +506,14 @@ def test_finetune_layers_adapts_only_those_blocks(files, tmp_path):
     assert out["steps"] == 2 and len(out["losses"]) == 2
     _, _, pairs = hlora.read_gguf(out["adapter_gguf"])
     assert sorted(pairs) == ["blk.1.attn_q.weight", "blk.1.ffn_down.weight"]
+
+
+def test_gguf_adapter_mixed_ranks(files, tmp_path):
+    pm = lora_model(files["qwen3"], ["attn_q", "attn_v"], r=4, alpha=8, rank_pattern={"attn_q": 2})
+    randomize_b(pm)
+    hlora.save_gguf(pm, tmp_path / "mixed.gguf")
+    back = hlora.load_gguf(hanzo_torch.load(files["qwen3"], max_context=64), tmp_path / "mixed.gguf")
+    for name, layer in hlora.lora_layers(pm).items():
+        got = hlora.lora_layers(back)[name]
+        assert got.r["default"] == layer.r["default"] == (2 if "attn_q" in name else 4)
+        torch.testing.assert_close(got.get_delta_weight("default"), layer.get_delta_weight("default"))
