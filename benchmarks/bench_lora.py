@@ -8,7 +8,7 @@ the first, the peak RSS (``ru_maxrss``: the mapped file pages the process touche
 that peak against the GGUF's size.
 
     python benchmarks/bench_lora.py [-m model.gguf] [--seq 512] [--steps 3] [--r 16]
-        [--targets attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down] [--no-checkpointing]
+        [--targets attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down] [--layers N] [--no-checkpointing]
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="training steps (default 3; the first is a warm-up)")
     ap.add_argument("--r", type=int, default=16, help="LoRA rank (default 16)")
     ap.add_argument("--targets", default="attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down")
+    ap.add_argument("--layers", type=int, metavar="N", help="adapt only the last N blocks (default: all)")
     ap.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations")
     ap.add_argument("-t", "--threads", type=int, help="torch threads (default: torch's)")
     args = ap.parse_args()
@@ -54,8 +55,11 @@ def main() -> None:
     file_bytes = os.path.getsize(path)
     rss0 = rss_now_bytes()
     model = hanzo_torch.load(path, max_context=max(args.seq, 64))
+    n_layer = model.args.n_layer
+    layers = list(range(n_layer - args.layers, n_layer)) if args.layers else None
     pm = peft.get_peft_model(model, peft.LoraConfig(r=args.r, lora_alpha=2 * args.r,
-                                                    target_modules=args.targets.split(",")))
+                                                    target_modules=args.targets.split(","), layers_to_transform=layers,
+                                                    layers_pattern="blk" if layers else None))
     if not args.no_checkpointing:
         model.gradient_checkpointing_enable()
     params = [p for p in pm.parameters() if p.requires_grad]
@@ -65,7 +69,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     tok_s = []
     print(f"{os.path.basename(path)} ({file_bytes / 2**30:.2f} GiB), seq {args.seq} x batch {args.batch}, "
-          f"LoRA r={args.r} on {args.targets} ({n_train / 1e6:.2f} M trainable), checkpointing "
+          f"LoRA r={args.r} on {args.targets} of {'the last %d' % args.layers if args.layers else 'all'} blocks "
+          f"({n_train / 1e6:.2f} M trainable), checkpointing "
           f"{'off' if args.no_checkpointing else 'on'}, {torch.get_num_threads()} threads")
     for step in range(args.steps):
         ids = torch.randint(0, V, (args.batch, args.seq), generator=g)

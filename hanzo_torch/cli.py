@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--target-modules", default="attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down",
                     metavar="NAMES", help="comma-separated layer names (GGUF names: attn_q, ffn_up, ffn_up_exps, ...; "
                                           "default all attention and feed-forward projections)")
+    ft.add_argument("--lora-layers", type=_int_list, metavar="I[,I...]",
+                    help="adapt only these blocks (0-based); backward stops at the first one, so the last "
+                         "few layers train fastest (default: all)")
     ft.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (default 2e-4)")
     ft.add_argument("--epochs", type=_positive_int, default=1, metavar="N", help="passes over the data (default 1)")
     ft.add_argument("-b", "--batch-size", type=_positive_int, default=1, metavar="N",
@@ -747,7 +750,7 @@ def cmd_finetune(args) -> int:
     cfg = FinetuneConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                          target_modules=targets, lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
                          context=args.ctx_size, save_every=args.save_every, seed=args.seed,
-                         gradient_checkpointing=not args.no_gradient_checkpointing)
+                         gradient_checkpointing=not args.no_gradient_checkpointing, layers=args.lora_layers)
     import torch
 
     torch.manual_seed(args.seed)

@@ -46,6 +46,7 @@ class FinetuneConfig:
     save_every: int = 0  # steps between checkpoints; 0: none
     seed: int = 0
     gradient_checkpointing: bool = True
+    layers: Optional[list] = None  # block indices to adapt (PEFT layers_to_transform); None: all
 
 
 def load_records(path: str | os.PathLike) -> list[dict]:
@@ -179,7 +180,9 @@ def finetune(model, data: str | os.PathLike | list, out_dir: str | os.PathLike, 
         start_step = state["step"]
     else:
         lcfg = peft.LoraConfig(r=config.r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                               target_modules=list(config.target_modules))
+                               target_modules=list(config.target_modules),
+                               layers_to_transform=list(config.layers) if config.layers is not None else None,
+                               layers_pattern="blk" if config.layers is not None else None)
         pm = peft.get_peft_model(model, lcfg)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
