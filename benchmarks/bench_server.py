@@ -1,7 +1,7 @@
 """Serving throughput: ``hanzo-torch serve`` against llama-server, 1/2/4/8 concurrent requests.
 
     python benchmarks/bench_server.py --llama-server PATH/llama-server [-m model.gguf] [-c 1,2,4,8]
-        [-n 32] [-t 2] [--rounds 1]
+        [-n 32] [-t 2] [--rounds 1] [--llama-args "-nr"]
 
 Each server is started with the same model, slots (``-np`` = the largest concurrency), context
 (``-c`` = 512 per slot) and threads, in the same run, one after the other (``--rounds`` > 1
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import os
 import signal
 import socket
@@ -93,7 +94,7 @@ def start(kind: str, args, slots: int) -> tuple[subprocess.Popen, str]:
                "-c", str(ctx), "-t", str(args.threads)]
     else:
         cmd = [args.llama_server, "-m", args.model, "--port", str(port), "-np", str(slots), "-c", str(ctx),
-               "-t", str(args.threads), "--host", "127.0.0.1"]
+               "-t", str(args.threads), "--host", "127.0.0.1"] + shlex.split(args.llama_args)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
@@ -113,6 +114,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-m", "--model", help="GGUF (default: hanzo_torch.pull()'s model)")
     ap.add_argument("--llama-server", default=os.environ.get("HANZO_LLAMA_SERVER"), help="llama-server binary")
+    ap.add_argument("--llama-args", default="", help='extra llama-server arguments, e.g. "-nr" (no weight '
+                    'repacking: where its AMX repack crashes)')
     ap.add_argument("-c", "--concurrency", default="1,2,4,8")
     ap.add_argument("-n", "--n-gen", type=int, default=32)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
