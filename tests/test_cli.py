@@ -122,8 +122,9 @@ def test_inspect_backends(capsys):
     assert rc == 0
     lines = out.strip().splitlines()
     assert [ln.split(":")[0] for ln in lines] == ["reference", "cpu", "mps", "triton", "vulkan"]
-    assert "unavailable" in lines[2] or "available" in lines[2]
-    assert lines[3].startswith("vulkan: available on vulkan") or lines[3].startswith("vulkan: unavailable (")
+    assert lines[2].startswith("mps: unavailable (") or lines[2].startswith("mps: available")
+    assert "unavailable" in lines[3] or "available" in lines[3]
+    assert lines[4].startswith("vulkan: available on vulkan") or lines[4].startswith("vulkan: unavailable (")
     rc, out, err = run(["inspect"], capsys)
     assert rc == 2 and "--backends" in err
 
