@@ -63,16 +63,9 @@ def _unsupported(config, layer: str) -> None:
         raise ValueError(f"{layer}: LoraConfig(use_dora=True) is not supported on hanzo-torch layers")
 
 
-class LoraLinear(nn.Module, LoraLayer):
-    """PEFT's LoRA on a :class:`~hanzo_torch.models.layers.Linear` or ``PackedLinear``:
-    ``y = base(x) + sum_adapters scaling * lora_B(lora_A(dropout(x)))``.
-
-    ``x``: ``[..., in_features]`` float; returns ``[..., out_features]`` in the base layer's output
-    dtype. Without an autograd graph to build (inference, ``torch.no_grad``) one active adapter
-    with no dropout on a packed base runs as one ``hanzo::lora_mul_mat``. PEFT's in-place
-    ``merge``/``merge_and_unload`` is refused: the packed base stays frozen; use :func:`merge`,
-    which writes a new GGUF.
-    """
+class _AdapterLayer(nn.Module, LoraLayer):
+    """The constructor PEFT's dispatcher calls and the list of adapters a forward applies, shared by
+    :class:`LoraLinear` and :class:`LoraExperts`."""
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1,
                  **kwargs) -> None:
@@ -83,11 +76,23 @@ class LoraLinear(nn.Module, LoraLayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
 
-    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
-        return module.in_features, module.out_features
-
     def _adapters(self) -> list[str]:
         return [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
+
+
+class LoraLinear(_AdapterLayer):
+    """PEFT's LoRA on a :class:`~hanzo_torch.models.layers.Linear` or ``PackedLinear``:
+    ``y = base(x) + sum_adapters scaling * lora_B(lora_A(dropout(x)))``.
+
+    ``x``: ``[..., in_features]`` float; returns ``[..., out_features]`` in the base layer's output
+    dtype. Without an autograd graph to build (inference, ``torch.no_grad``) one active adapter
+    with no dropout on a packed base runs as one ``hanzo::lora_mul_mat``. PEFT's in-place
+    ``merge``/``merge_and_unload`` is refused: the packed base stays frozen; use :func:`merge`,
+    which writes a new GGUF.
+    """
+
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        return module.in_features, module.out_features
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         self._check_forward_args(x, *args, **kwargs)
@@ -143,7 +148,7 @@ class _ExpertLora(nn.Module):
         return "n_expert={}, rows={}, cols={}".format(*self.weight.shape)
 
 
-class LoraExperts(nn.Module, LoraLayer):
+class LoraExperts(_AdapterLayer):
     """PEFT's LoRA on an expert bank (:class:`~hanzo_torch.models.layers.Experts` or
     ``PackedExperts``): one adapter per expert, as llama.cpp's ``*_exps`` adapters
     (``build_lora_mm_id``). ``experts(x, ids) = base(x, ids) + scaling * x @ lora_A[e]^T @ lora_B[e]^T``
@@ -153,15 +158,6 @@ class LoraExperts(nn.Module, LoraLayer):
     The adapter term groups the rows by expert on the host (one small GEMM pair per expert used),
     so a compiled forward breaks its graph there.
     """
-
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1,
-                 **kwargs) -> None:
-        _unsupported(config, type(self).__name__)
-        super().__init__()
-        LoraLayer.__init__(self, base_layer)
-        self.fan_in_fan_out = False
-        self._active_adapter = adapter_name
-        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         E, N, K = module.weight.shape
@@ -196,7 +192,7 @@ class LoraExperts(nn.Module, LoraLayer):
 
     def forward(self, x: Tensor, ids: Tensor, *args, **kwargs) -> Tensor:
         result = self.base_layer(x, ids)  # [T, k, N]
-        names = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
+        names = self._adapters()
         if not names:
             return result
         T, k = ids.shape
