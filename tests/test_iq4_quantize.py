@@ -12,6 +12,7 @@ import torch
 
 import hanzo_torch
 from hanzo_torch.formats import _kquant_native, iq4_search, kquant_search
+from test_kquant_quantize import _gen, _rel_rms
 
 IQ4 = ["IQ4_NL", "IQ4_XS"]
 KQ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -20,14 +21,6 @@ LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]  # importance-weighted in the C kernel
 # and without weights: the bound leaves ~15 % room
 RMS_BOUND = {"IQ4_NL": 0.09, "IQ4_XS": 0.09, "Q2_K": 0.35, "Q3_K": 0.175, "Q4_K": 0.085, "Q5_K": 0.042,
              "Q6_K": 0.021, "Q4_0": 0.1, "Q4_1": 0.09, "Q5_0": 0.05, "Q5_1": 0.045}
-
-
-def _gen(tag: str) -> torch.Generator:
-    return torch.Generator().manual_seed(sum(map(ord, tag)))
-
-
-def _rel_rms(y, x):
-    return float((y - x).pow(2).mean().sqrt() / x.pow(2).mean().sqrt())
 
 
 def _mixed(rows: int, k: int, tag: str) -> torch.Tensor:
