@@ -2,7 +2,7 @@
 
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
-        [--llama-bench PATH ...] [--ik-llama-bench PATH [--ik-args "-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
+        [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args "-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
         [--busy-kind spin|matmul] [--matvec-ab] [--profile]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
@@ -17,6 +17,8 @@ medians, ranges and the ratio hanzo-torch / llama.cpp per row:
   ``-r 1 -o json`` run per row per round (it loads the model and does its own warm-up run each
   time; only its timed run counts). Depth rows use its ``-d`` (``--n-depth``) flag; a build
   without it (older than mid-2025) gets "n/a" on those rows. Repeatable: each binary is one engine.
+  ``--llama-args FLAGS`` go to every such run (``--repack 0`` where its AMX/CPU repack crashes at
+  load, as on an Intel Xeon with AMX).
 - ``--ik-llama-bench PATH``: ik_llama.cpp's ``llama-bench`` the same way (extra flags of its own,
   e.g. ``-rtr 1`` for its run-time repack, in ``--ik-args``). Its depth rows use ``-gp D,N`` (tg N
   after a D-token prompt, only the N steps timed: the same as llama-bench's ``-d D -n N``); it has
@@ -390,6 +392,8 @@ def main() -> None:
     ap.add_argument("--reps", "-r", type=int, default=3, help="rounds (one measurement per engine per row each)")
     ap.add_argument("--llama-bench", action="append", default=[], metavar="PATH",
                     help="llama.cpp's llama-bench binary to compare with (repeatable: one engine each)")
+    ap.add_argument("--llama-args", default="", metavar="FLAGS",
+                    help='extra flags for every --llama-bench run, e.g. "--repack 0" where its CPU repack crashes')
     ap.add_argument("--ik-llama-bench", default=None, metavar="PATH", help="ik_llama.cpp's llama-bench binary")
     ap.add_argument("--ik-args", default="", metavar="FLAGS",
                     help='extra flags for every ik_llama.cpp run, e.g. "-rtr 1" (its run-time repack)')
@@ -434,8 +438,10 @@ def main() -> None:
         except ImportError:
             print("llama-cpp-python is not installed: no in-process llama.cpp (pip install llama-cpp-python)",
                   file=sys.stderr)
-    benches = [(b, "--llama-bench", "llama-bench" + (f" #{i + 1}" if len(args.llama_bench) > 1 else ""), [])
-               for i, b in enumerate(args.llama_bench)]
+    if args.llama_args and not args.llama_bench:
+        ap.error("--llama-args needs --llama-bench")
+    benches = [(b, "--llama-bench", "llama-bench" + (f" #{i + 1}" if len(args.llama_bench) > 1 else ""),
+                shlex.split(args.llama_args)) for i, b in enumerate(args.llama_bench)]
     if args.ik_llama_bench:
         benches.append((args.ik_llama_bench, "--ik-llama-bench", "ik_llama.cpp llama-bench", shlex.split(args.ik_args)))
     elif args.ik_args:
