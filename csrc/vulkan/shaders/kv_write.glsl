@@ -43,7 +43,10 @@ void fz_store_q8_0_block(uint64_t dst, uint blk, float x[32]) {
     const float id = d == 0.0 ? 0.0 : fz_div(1.0, d);
     U16Ptr(dst).v[blk * (HZ_Q8_0_BYTES / 2u)] = uint16_t(fz_float_to_half(d));
     for (uint j = 0u; j < 32u; ++j) {
-        const float r = fz_roundf(x[j] * id);
+        // precise: a fused multiply-add here rounds once, which turns some products into .5 ties
+        // (or out of them) and moves a code by one against the CPU's separately rounded product
+        precise float xs = x[j] * id;
+        const float r = fz_roundf(xs);
         const int q = isnan(r) || isinf(r) ? 0 : int(clamp(r, -128.0, 127.0));
         I8Ptr(dst).v[blk * HZ_Q8_0_BYTES + 2u + j] = int8_t(q);
     }

@@ -19,18 +19,13 @@ point renamed ``hz_<shader>_<variant>``) to Metal Shading Language, then two rew
   buffer-reference pointer, so the translation compiles a copy of the shader whose completion
   counter is a bound storage buffer (``hz_counter``, a kernel argument of its own).
 
-Three source-level patches (on a copy of the shader folder, never on the Vulkan sources) make the
+Two source-level patches (on a copy of the shader folder, never on the Vulkan sources) make the
 rest translatable; each must match exactly once (:data:`PATCHES`):
 
 - ``formats_q8.glsl``: the int8 dot product is an ``OpSDot`` through ``GL_EXT_spirv_intrinsics``,
   which spirv-cross cannot translate; the copy defines it as four sign-extended byte products
   (integer arithmetic: the same result);
-- ``attention.comp``: the counter, as above;
-- ``kv_write.glsl``: ``x * id - trunc(x * id)`` of the q8_0 rounding, folded by ``glslc -O`` into a
-  GLSL.std.450 ``Fma`` (no ``precise``), becomes Metal's ``fma``, which rounds once: a product
-  that rounds up to a .5 tie then truncates the other way (a q8_0 code off by one, caught by the
-  conformance suite). The copy makes the product ``precise`` (NoContraction), as formats.glsl
-  does for its products. A Vulkan driver that fuses ``Fma`` has the same difference.
+- ``attention.comp``: the counter, as above.
 
 The sources are generated at build time into ``<cache>/mps-msl-<key>/`` (about 2.6 MB of MSL:
 too large to commit) and described in the committed manifest ``kernels.json``: per translation
@@ -80,10 +75,6 @@ PATCHES = {
         "    for (int i = 0; i < 32; i += 8) s += bitfieldExtract(int(a), i, 8) * bitfieldExtract(int(b), i, 8);\n"
         "    return s;\n"
         "}\n")],
-    "kv_write.glsl": [(
-        "const float r = fz_roundf(x[j] * id);",
-        "precise float xs = x[j] * id;  // MSL translation: no fma, which Metal rounds once\n"
-        "        const float r = fz_roundf(xs);")],
     "attention.comp": [
         ("layout(buffer_reference, std430, buffer_reference_align = 4) coherent buffer FzCounter { uint v[]; };\n",
          "layout(set = 0, binding = 0, std430) coherent buffer HzCounter { uint v[]; } hz_counter;  // MSL: bound\n"),
