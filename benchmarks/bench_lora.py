@@ -2,13 +2,15 @@
 
 One process per run (peak RSS is per process): load the model, wrap it with PEFT LoRA
 (:mod:`hanzo_torch.lora`), run ``--steps`` AdamW steps of ``--batch`` random-token sequences of
-``--seq`` tokens (forward with ``use_cache=False``, next-token loss, backward, step), and print
+``--seq`` tokens (forward with ``use_cache=False, labels=ids``: the LM head and next-token loss in checkpointed
+token chunks; ``--full-logits``: ``[B, T, V]`` logits and ``F.cross_entropy`` instead; backward, step), and print
 the forward / backward / optimizer seconds of each step, the median tokens/s of the steps after
 the first, the peak RSS (``ru_maxrss``: the mapped file pages the process touched included), and
 that peak against the GGUF's size.
 
     python benchmarks/bench_lora.py [-m model.gguf] [--seq 512] [--steps 3] [--r 16]
         [--targets attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down] [--layers N] [--no-checkpointing]
+        [--full-logits]
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ def main() -> None:
     ap.add_argument("--targets", default="attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down")
     ap.add_argument("--layers", type=int, metavar="N", help="adapt only the last N blocks (default: all)")
     ap.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations")
+    ap.add_argument("--full-logits", action="store_true", help="materialize the [B, T, V] logits for the loss")
     ap.add_argument("-t", "--threads", type=int, help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
@@ -71,19 +74,24 @@ def main() -> None:
     print(f"{os.path.basename(path)} ({file_bytes / 2**30:.2f} GiB), seq {args.seq} x batch {args.batch}, "
           f"LoRA r={args.r} on {args.targets} of {'the last %d' % args.layers if args.layers else 'all'} blocks "
           f"({n_train / 1e6:.2f} M trainable), checkpointing "
-          f"{'off' if args.no_checkpointing else 'on'}, {torch.get_num_threads()} threads")
+          f"{'off' if args.no_checkpointing else 'on'}, {'full logits' if args.full_logits else 'chunked loss'}, "
+          f"bf16 backward {os.environ.get('HANZO_LORA_BF16_BACKWARD', '0')}, {torch.get_num_threads()} threads")
     for step in range(args.steps):
         ids = torch.randint(0, V, (args.batch, args.seq), generator=g)
         t0 = time.perf_counter()
-        logits = pm(ids, use_cache=False)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+        if args.full_logits:
+            logits = pm(ids, use_cache=False)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+            del logits
+        else:
+            loss = pm(ids, labels=ids, use_cache=False).loss
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        del logits, loss
+        del loss
         n = args.batch * args.seq
         print(f"step {step}: forward {t1 - t0:.2f} s, backward {t2 - t1:.2f} s, optimizer {t3 - t2:.3f} s, "
               f"{n / (t3 - t0):.1f} tokens/s, RSS peak {rss_peak_bytes() / 2**30:.2f} GiB")

@@ -22,12 +22,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
+
+from .models.loss import IGNORE_INDEX as IGNORE  # label of a token without loss
 
 __all__ = ["FinetuneConfig", "load_records", "tokenize_record", "finetune", "latest_checkpoint"]
-
-IGNORE = -100
-"""Label of a token without loss (torch's ``cross_entropy`` ``ignore_index`` default)."""
 
 
 @dataclass
@@ -120,15 +118,6 @@ def _batches(examples: list, batch_size: int, order: list[int]):
         yield ids, labels
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Mean next-token cross entropy over the labelled positions, and their count."""
-    targets = labels[:, 1:]
-    n = int((targets != IGNORE).sum())
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
-    return loss / max(n, 1), n
-
-
 def finetune(model, data: str | os.PathLike | list, out_dir: str | os.PathLike, config: FinetuneConfig,
              *, resume: Optional[str | os.PathLike] = None, progress: bool = True,
              log: Optional[Callable[[str], None]] = None) -> dict:
@@ -213,8 +202,8 @@ def finetune(model, data: str | os.PathLike | list, out_dir: str | os.PathLike, 
                 step += 1
                 if step <= start_step:
                     continue
-                logits = pm(ids, use_cache=False)
-                loss, _ = lm_loss(logits, labels)
+                # the LM head and the cross entropy in checkpointed token chunks (no [B, T, V] logits)
+                loss = pm(ids, labels=labels, use_cache=False).loss
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)

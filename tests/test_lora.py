@@ -127,6 +127,104 @@ def test_gradient_checkpointing_gives_the_same_gradients(files):
         pm.get_base_model().gradient_checkpointing_enable({"use_reentrant": True})
 
 
+# ---------------------------------------------------------------------- the chunked loss
+def _packed_head(N, K, qtype, seed=0):
+    from hanzo_torch import GGUFTensor
+    from hanzo_torch.models.layers import PackedLinear
+
+    g = torch.Generator().manual_seed(seed)
+    head = PackedLinear(K, N)
+    head.weight = torch.nn.Parameter(GGUFTensor(hanzo_torch.quantize(torch.randn(N, K, generator=g) / 16, qtype),
+                                                qtype, (N, K)), requires_grad=False)
+    return head
+
+
+def test_chunked_loss_equals_full_logits_float64():
+    """causal_lm_loss over chunks (checkpointed) against cross_entropy of the full logits: the loss
+    and the gradients of the hidden states and of a LoRA adapter on the head, in float64."""
+    from hanzo_torch.models.loss import causal_lm_loss
+
+    V, K, r = 40, 256, 2
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = _packed_head(V, K, "Q4_K")
+
+        def forward(self, x):
+            return self.proj(x)
+
+    pm = peft.get_peft_model(Head(), peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"]))
+    randomize_b(pm, std=0.3)
+    pm.double()
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 9, K, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, V, (2, 9), generator=g)
+    labels[0, 3] = labels[1, 8] = labels[1, 1] = -100
+    lora = [p for p in pm.parameters() if p.requires_grad]
+
+    def grads(loss_fn):
+        h = hidden.clone().requires_grad_(True)
+        pm.zero_grad()
+        loss = loss_fn(h)
+        loss.backward()
+        return loss.detach(), h.grad, [p.grad.clone() for p in lora]
+
+    def full(h):
+        logits = pm(h)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+    with ops.use_reference("mul_mat"):
+        want = grads(full)
+        for chunk in (1, 5, 16, 100):
+            got = grads(lambda h: causal_lm_loss(h, pm, labels, chunk))
+            assert got[0].dtype == torch.float64
+            torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
+            torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-14)
+            assert all(p.abs().sum() > 0 for p in got[2])
+            for a, b in zip(got[2], want[2]):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+        # no counted position: loss 0, zero gradients; the first label is never a target
+        none = torch.full_like(labels, -100)
+        none[:, 0] = 1
+        loss, gh, _ = grads(lambda h: causal_lm_loss(h, pm, none, 4))
+        assert loss.item() == 0 and gh.abs().sum() == 0
+    with pytest.raises(ValueError, match="labels"):
+        causal_lm_loss(hidden, pm, labels[:, :5], 4)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        causal_lm_loss(hidden, pm, labels, 0)
+
+
+def test_model_labels_loss_equals_full_logits(files):
+    """``model(ids, labels=..., use_cache=False).loss`` with checkpointing and small loss chunks
+    equals the cross entropy of ``model(ids, use_cache=False)``, gradients of every adapter too."""
+    pm = lora_model(files["qwen2"], ["attn_q", "ffn_down", "output"])
+    randomize_b(pm)
+    model = pm.get_base_model()
+    assert isinstance(model.output, hlora.LoraLinear)
+    ids = ids_batch(2, 12)
+    labels = ids.clone()
+    labels[0, 5:9] = -100
+    labels[1, -1] = -100
+    lora = [p for p in pm.parameters() if p.requires_grad]
+    pm.zero_grad()
+    logits = pm(ids, use_cache=False)
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+    want.backward()
+    want_g = [p.grad.clone() for p in lora]
+    model.gradient_checkpointing_enable()
+    model.loss_chunk = 7
+    pm.zero_grad()
+    out = pm(ids, labels=labels, use_cache=False)
+    assert out.logits is None
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=0)
+    for a, b in zip([p.grad for p in lora], want_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(ids, labels=labels)
+
+
 # ---------------------------------------------------------------------- PEFT on our layers
 def test_finetune_loss_falls_only_lora_trains_base_bytes_unchanged(files):
     pm = lora_model(files["qwen3"], ATTN_FFN, r=8, alpha=16)

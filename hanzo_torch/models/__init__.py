@@ -167,6 +167,8 @@ def _check_first_logits(model: nn.Module, path: str) -> None:
     from ..gguf_file import GGUFError
 
     def hook(module, args, logits):
+        if not isinstance(logits, torch.Tensor):  # CausalLMOutput of a labels= forward: its loss
+            logits = logits.loss.detach().reshape(1, 1)
         if torch.compiler.is_compiling() or (logits.is_cuda and torch.cuda.is_current_stream_capturing()):
             return  # checked by the first eager forward
         if logits.numel():

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,7 @@ from ..generation import SequenceState
 from ..ops.fused import KV_CACHE_DTYPES, kv_cache_shape
 from .config import ARCHITECTURES, DEFAULT_MAX_CONTEXT, ModelArgs  # noqa: F401 (re-exported)
 from .layers import Embedding, Experts, Linear, RMSNorm
+from .loss import CausalLMOutput, causal_lm_loss, loss_chunk_tokens
 
 hanzo = torch.ops.hanzo
 
@@ -229,7 +230,7 @@ class Transformer(SequenceState, nn.Module):
             self.cache_batch_size, self.seq_len = B, seq_len
 
     def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None, *, last_only: bool = False,
-                use_cache: bool = True) -> Tensor:
+                use_cache: bool = True, labels: Optional[Tensor] = None) -> Union[Tensor, CausalLMOutput]:
         """Run ``input_ids`` through the model, appending their keys/values to the KV cache.
 
         Args:
@@ -244,20 +245,30 @@ class Transformer(SequenceState, nn.Module):
                 (the LoRA adapters of :mod:`hanzo_torch.lora`, prompt tuning). With
                 :meth:`gradient_checkpointing_enable` each block's activations are recomputed in
                 backward. ``ubatch`` does not apply.
+            labels: with ``use_cache=False`` only: integer ``[B, T]`` targets (transformers'
+                convention: shifted inside, ``-100`` ignored). The LM head and the cross entropy
+                then run in chunks of :attr:`loss_chunk` tokens, each checkpointed
+                (:func:`~hanzo_torch.models.loss.causal_lm_loss`), so the ``[B, T, V]`` logits
+                are never materialized.
 
         Returns:
-            float32 logits ``[B, T, V]``.
+            float32 logits ``[B, T, V]``; with ``labels``, a
+            :class:`~hanzo_torch.models.loss.CausalLMOutput` whose ``.loss`` is the mean over
+            the counted positions (0 when none is counted) and ``.logits`` is None.
 
         Raises:
             ValueError: the sequence would exceed ``max_context`` (checked on the host for
                 ``positions=None`` and for CPU positions), bad shapes, a batch size change
                 mid-sequence (:meth:`~hanzo_torch.generation.SequenceState.next_positions`), or an
-                :attr:`ubatch` that is not a non-negative int.
+                :attr:`ubatch` that is not a non-negative int, ``labels`` with ``use_cache=True``
+                or ``last_only``, or not integer ``[B, T]``.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if labels is not None and (use_cache or last_only):
+            raise ValueError("labels (the training loss) need use_cache=False and last_only=False")
         if not use_cache:
-            return self._forward_no_cache(input_ids, positions, last_only)
+            return self._forward_no_cache(input_ids, positions, last_only, labels)
         ub = self.ubatch
         if ub is not None and (not isinstance(ub, int) or isinstance(ub, bool) or ub < 0):
             raise ValueError(f"ubatch must be a non-negative int (0 or None: one pass), got {ub!r}")
@@ -276,7 +287,8 @@ class Transformer(SequenceState, nn.Module):
             x = x[:, -1:]
         return self.output(x).float()  # [B, T, V]
 
-    def _forward_no_cache(self, input_ids: Tensor, positions: Optional[Tensor], last_only: bool) -> Tensor:
+    def _forward_no_cache(self, input_ids: Tensor, positions: Optional[Tensor], last_only: bool,
+                          labels: Optional[Tensor] = None) -> Union[Tensor, CausalLMOutput]:
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=self.device).expand(B, T)
@@ -293,9 +305,16 @@ class Transformer(SequenceState, nn.Module):
             else:
                 x, residual = blk(x, residual, positions, False)
         x, _ = self.output_norm(x, residual)
+        if labels is not None:
+            chunk = self.loss_chunk or loss_chunk_tokens(self.args.vocab_size)
+            return CausalLMOutput(causal_lm_loss(x, self.output, labels, chunk))
         if last_only:
             x = x[:, -1:]
         return self.output(x).float()  # [B, T, V]
+
+    loss_chunk: Optional[int] = None
+    """Tokens per chunk of the ``labels=`` loss; None: :data:`~hanzo_torch.models.loss.LOSS_CHUNK_BYTES`
+    of float32 logits (110 tokens of a 151936-token vocabulary)."""
 
     gradient_checkpointing: bool = False
     """Recompute each block's activations in backward (``use_cache=False`` forwards with grad on)."""
