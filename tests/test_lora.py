@@ -195,6 +195,77 @@ def test_chunked_loss_equals_full_logits_float64():
         causal_lm_loss(hidden, pm, labels, 0)
 
 
+def _peak_bytes(fn) -> int:
+    """Peak bytes of live CPU tensors allocated while ``fn()`` runs (forward and backward), from
+    torch.profiler's allocation records: an op's own allocations at its start, frees as they come."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cur = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        peak = max(peak, cur)
+    return peak
+
+
+def test_chunked_loss_memory(monkeypatch):
+    """A training step of the LM head and loss never holds the [T, V] logits, nor a dense copy of
+    the head's weight: the peak is a few chunks of logits plus one backward tile."""
+    from hanzo_torch.models.loss import causal_lm_loss
+    from hanzo_torch.ops import quant
+
+    V, K, T, chunk = 8192, 256, 257, 32
+    tile = 256 << 10
+    monkeypatch.setattr(quant, "BACKWARD_TILE_BYTES", tile)
+    head = _packed_head(V, K, "Q8_0")  # a dense float32 copy would be V * K * 4 = 8 MiB
+    hidden = torch.randn(1, T, K, requires_grad=True)
+    labels = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(0))
+
+    def full():
+        logits = head(hidden)
+        F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1)).backward()
+
+    logits_bytes, chunk_bytes = T * V * 4, chunk * V * 4
+    peak_full = _peak_bytes(full)
+    peak_chunked = _peak_bytes(lambda: causal_lm_loss(hidden, head, labels, chunk).backward())
+    assert peak_full > 2.5 * logits_bytes  # logits, log-softmax, their gradient
+    assert peak_chunked < 3 * chunk_bytes + tile + 2 * hidden.numel() * 4, (peak_chunked, peak_full)
+
+
+def test_bf16_backward_against_float32(monkeypatch):
+    """HANZO_LORA_BF16_BACKWARD=1: mul_mat's gx = g @ deq(W) from bfloat16 tiles, within the
+    documented tolerance of the float32 path; on a CPU without native bfloat16 GEMMs it warns and
+    stays float32 (bit-identical)."""
+    from hanzo_torch.ops import quant
+
+    N, K, M = 700, 512, 24  # 700 rows: several tiles of the bfloat16 path at a 256 KiB tile
+    monkeypatch.setattr(quant, "BACKWARD_TILE_BYTES", 256 << 10)
+    w = _packed_head(N, K, "Q4_K").weight
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(M, K, generator=g)
+    gy = torch.randn(M, N, generator=g)
+
+    def gx():
+        xx = x.clone().requires_grad_(True)
+        torch.autograd.backward(torch.ops.hanzo.mul_mat(xx, w.packed, "Q4_K"), gy)
+        return xx.grad
+
+    want = gx()
+    exact = gy.double() @ w.dequantize(torch.float64)
+    torch.testing.assert_close(want.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    monkeypatch.setenv("HANZO_LORA_BF16_BACKWARD", "1")
+    monkeypatch.setattr(quant, "_bf16_native", lambda device: True)
+    got = gx()
+    err = (got.double() - exact).abs().max().item() / exact.abs().max().item()
+    assert 0 < err < 1e-2, err  # bfloat16 rounding of g, the tiles and each tile's product
+    monkeypatch.setattr(quant, "_bf16_native", lambda device: False)
+    monkeypatch.setattr(quant, "_BF16_WARNED", [])
+    with pytest.warns(RuntimeWarning, match="HANZO_LORA_BF16_BACKWARD"):
+        same = gx()
+    assert torch.equal(same, want)
+
+
 def test_model_labels_loss_equals_full_logits(files):
     """``model(ids, labels=..., use_cache=False).loss`` with checkpointing and small loss chunks
     equals the cross entropy of ``model(ids, use_cache=False)``, gradients of every adapter too."""
