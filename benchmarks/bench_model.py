@@ -3,7 +3,7 @@
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
         [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args "-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
-        [--busy-kind spin|matmul] [--matvec-ab] [--profile]
+        [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--profile]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
 per row per round, ``--reps`` rounds), so load on a shared machine hits them alike; the table gives
@@ -50,6 +50,10 @@ average is printed with every round.
 ``--matvec-ab`` adds our model once more with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows
 (``set_matvec512(False)``, what ``HANZO_CPU_MATVEC512=0`` gives), same weights, alternating; its
 ratio column is 512-bit / 256-bit rows.
+
+``--repack-ab`` adds our model once more with the 256-bit Q4_K GEMM on row-by-row tiles instead of
+row-interleaved panels (``set_repack(False)``, what ``HANZO_CPU_REPACK=0`` gives), same weights,
+alternating; its ratio column is interleaved / row tiles.
 
 ``--busy N`` starts N extra processes beside the engines for the whole run (the busy-machine
 case): ``--busy-kind spin`` (default) a Python busy loop each, ``matmul`` a one-thread float32
@@ -187,6 +191,24 @@ class HanzoMatvec256:
             return self.ours.measure(row, ctx, ids)
         finally:
             hcpu.set_matvec512(wide)
+
+
+class HanzoNoRepack:
+    """The same loaded model with the 256-bit Q4_K prefill GEMM on row-by-row tiles instead of
+    row-interleaved panels (``--repack-ab``; ``HANZO_CPU_REPACK=0``)."""
+
+    name = "hanzo-torch (no repack)"
+
+    def __init__(self, ours: Hanzo):
+        self.ours, self.version = ours, ours.version
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        on = hcpu.repack()
+        hcpu.set_repack(False)
+        try:
+            return self.ours.measure(row, ctx, ids)
+        finally:
+            hcpu.set_repack(on)
 
 
 class LlamaCpp:
@@ -406,6 +428,8 @@ def main() -> None:
                     help="also run our model with the adaptive thread count off")
     ap.add_argument("--matvec-ab", action="store_true",
                     help="also run our model with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows")
+    ap.add_argument("--repack-ab", action="store_true",
+                    help="also run our model with the Q4_K GEMM on row tiles (HANZO_CPU_REPACK=0)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.rows is not None and (args.pp is not None or args.tg is not None):
@@ -432,6 +456,8 @@ def main() -> None:
         engines.append(HanzoFixedThreads(engines[0]))
     if args.matvec_ab:
         engines.append(HanzoMatvec256(engines[0]))
+    if args.repack_ab:
+        engines.append(HanzoNoRepack(engines[0]))
     if not args.no_llama_cpp:
         try:
             engines.append(LlamaCpp(args.model, n_ctx, args.threads))
@@ -474,7 +500,7 @@ def main() -> None:
                 ctx = torch.randint(100, 20000, (row.ctx_len,), generator=g).tolist()
                 ids = torch.randint(100, 20000, (row.n if row.kind == "pp" else 0,), generator=g).tolist()
                 for e in engines:
-                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoFixedThreads, HanzoMatvec256)) else None
+                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoFixedThreads, HanzoMatvec256, HanzoNoRepack)) else None
                     v = e.measure(row, ctx, ids)
                     if s0 is not None:
                         s1 = hcpu.thread_stats()

@@ -300,6 +300,48 @@ def test_gemm512_environment_variable(ext, monkeypatch):
         hcpu.set_gemm512(wide)
 
 
+@pytest.mark.parametrize("N,M,K", [(13, 16, 256), (8, 37, 2304), (21, 70, 1536), (5, 17, 4352), (1, 19, 512)])
+def test_q4k_interleaved_gemm_against_rows(ext, N, M, K):
+    """The 256-bit Q4_K GEMM on row-interleaved panels (HANZO_CPU_REPACK, 8 weight rows a vector)
+    against the row-by-row tiles and the float64 product: the same int8 products, another float
+    summation order. N: ragged 8-row groups (13, 21, 5, 1) and an exact one (8); M: the smallest
+    that takes the path (16), ragged 4-row tiles, past one 64-row M block (70); K: one block, past
+    the 2048-value K panel (2304, 4352)."""
+    if "avx2" not in hcpu.isa_levels():
+        pytest.skip("no avx2 level on this CPU")
+    w = random_blocks("Q4_K", N, K, seed=31 + N)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(32 + M))
+    before = hcpu.repack()
+    try:
+        hcpu.set_repack(False)
+        rows = hcpu.mul_mat(x, w, "Q4_K", isa="avx2")
+        hcpu.set_repack(True)
+        il = hcpu.mul_mat(x, w, "Q4_K", isa="avx2")
+        small = hcpu.mul_mat(x[:15], w, "Q4_K", isa="avx2")  # below 16 rows: the row tiles
+    finally:
+        hcpu.set_repack(before)
+    wf = quant.dequantize(w, "Q4_K", [N, K], torch.float32).double()
+    xh = act_dequant(ext, x, 256)
+    assert_tight(il, xh, wf, "interleaved")
+    assert_tight(rows, xh, wf, "rows")
+    assert not torch.equal(il, rows)  # the toggle selects another kernel (float order differs)
+    assert torch.equal(small, rows[:15])
+
+
+def test_repack_environment_variable(ext, monkeypatch):
+    before = hcpu.repack()
+    try:
+        for value, on in (("0", False), ("1", True), ("", True)):
+            monkeypatch.setenv("HANZO_CPU_REPACK", value)
+            hcpu._configure(ext)
+            assert hcpu.repack() is on, value
+        monkeypatch.setenv("HANZO_CPU_REPACK", "yes please")
+        with pytest.raises(ValueError, match="HANZO_CPU_REPACK"):
+            hcpu.check_environment()
+    finally:
+        hcpu.set_repack(before)
+
+
 def test_gemm_blocking_knob(ext):
     """The GEMM's M block only regroups rows: any value gives the same bits; a K panel that is not
     a multiple of 256 values is refused."""

@@ -258,6 +258,146 @@ static void gemm_simd_pairs(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1
     free(qbuf); free(sbuf); free(ibuf); free(pbuf); free(dmbuf);
 }
 
+// Row-interleaved GEMM of Q4_K (the 256-bit path; HANZO_CPU_REPACK=0 / hz_cpu_repack = 0 turns it
+// off). Each K panel of 8 weight rows is repacked once per M block so that one vector holds 4
+// consecutive values of all 8 rows (32-bit lane r = row r): one broadcast of 4 activation bytes
+// then feeds 8 rows in one vpmaddubsw, and the accumulator lanes are output rows. Within a
+// 32-value sub-block the scale is constant along K, so its 8 vpmaddubsw results add up in int16
+// (|sum| <= 8 * 2 * 15 * 128 = 30720: exact) before one vpmaddwd applies the 8 rows' scales:
+// 9 multiplies per 256 products and row group instead of the 16 of gemm_simd_rows. The float
+// fix-up (d, and dmin times the mins against the activation's per-32 sums, both in int32 first)
+// runs once per block on 8 rows at a time. Same integers as gemm_simd_rows; only the float32
+// summation order differs.
+#define HZ_IL_ROWS 8
+#define HZ_IL_MR 4
+#define HZ_IL_MIN_M 16  // fewer activation rows: the repack is not amortized, gemm_simd_rows runs
+
+// out[g], lane r = 32-bit element g of in[r] (an 8 x 8 transpose of 32-bit elements).
+static inline __attribute__((always_inline)) void transpose8x32(const __m256i (&in)[8], __m256i* out) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {  // rows 4h..4h+3
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);      // elements 0 | 4
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);      // 1 | 5
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);  // 2 | 6
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);  // 3 | 7
+    }
+    for (int g = 0; g < 4; ++g) {
+        out[g] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x20);
+        out[g + 4] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x31);
+    }
+}
+
+static void gemm_il_q4k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
+                        float* y, int64_t ldy) {
+    typedef Hooks<FQ4_K> H;
+    constexpr int NR = HZ_IL_ROWS, MR = HZ_IL_MR;
+    const int64_t K = a->K, nb = K / 256;
+    const int64_t KB = hz_min<int64_t>(nb, hz_gemm_kc / 256 > 0 ? hz_gemm_kc / 256 : 1);
+    const int64_t MC = hz_min<int64_t>(M, hz_gemm_mc);
+    // panel: per block 64 value vectors [sub-block j][group g], 8 scale vectors, 4 min vectors, d, dmin
+    __m256i* qbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * KB * 64);
+    __m256i* sbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * KB * 8);
+    __m256i* mbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * KB * 4);
+    __m256* dbuf = (__m256*)aligned_alloc(32, sizeof(__m256) * KB * 2);
+    // activation rows of the M block: per block 4 int32, each two per-32 sums as int16
+    // (sub-blocks 2p, 2p + 1; |sum| <= 32 * 127), against the min vectors' lanes
+    int32_t* xpb = (int32_t*)aligned_alloc(32, (sizeof(int32_t) * MC * KB * 4 + 31) / 32 * 32);
+    const __m256i ones = _mm256_load_si256(hz_ones16());
+    const __m256i mnpick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (int64_t mc = 0; mc < M; mc += hz_gemm_mc) {
+        const int64_t me = hz_min<int64_t>(M, mc + hz_gemm_mc);
+        for (int64_t kp = 0; kp < nb; kp += KB) {
+            const int64_t kb = hz_min<int64_t>(KB, nb - kp);
+            for (int64_t m = mc; m < me; ++m)
+                for (int64_t b = 0; b < kb; ++b) {
+                    const __m256i t = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(a->s + m * (K / 16) + (kp + b) * 16)), ones);
+                    const __m256i pk = _mm256_permute4x64_epi64(_mm256_packs_epi32(t, t), 0x08);
+                    _mm_storeu_si128((__m128i*)(xpb + ((m - mc) * KB + b) * 4), _mm256_castsi256_si128(pk));
+                }
+            for (int64_t nt = n0; nt < n1; nt += NR) {
+                const int nr = (int)hz_min<int64_t>(NR, n1 - nt);
+                for (int64_t b = 0; b < kb; ++b) {
+                    const uint8_t* blk[NR];
+                    H::Prep p[NR];
+                    __m256i v[NR], tm[8];
+                    alignas(32) float d[NR], dm[NR];
+                    for (int r = 0; r < NR; ++r) {
+                        blk[r] = W + (nt + (r < nr ? r : nr - 1)) * rb + (kp + b) * FQ4_K::BYTES;
+                        H::prep(blk[r], p[r]);
+                        d[r] = p[r].d;
+                        dm[r] = p[r].dmin;
+                        v[r] = p[r].sc16;  // 32-bit element j: sc_j in both halves
+                    }
+                    transpose8x32(v, sbuf + b * 8);
+                    for (int r = 0; r < NR; ++r)  // 32-bit element q: mn_2q, mn_2q+1
+                        v[r] = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p[r].mn16, mnpick), 0x08);
+                    transpose8x32(v, tm);
+                    for (int q = 0; q < 4; ++q) mbuf[b * 4 + q] = tm[q];
+                    dbuf[2 * b] = _mm256_load_ps(d);
+                    dbuf[2 * b + 1] = _mm256_load_ps(dm);
+                    for (int j = 0; j < 8; ++j) {
+                        for (int r = 0; r < NR; ++r) v[r] = H::chunk(blk[r], p[r], j);
+                        transpose8x32(v, qbuf + (b * 8 + j) * 8);
+                    }
+                }
+                for (int64_t mt = mc; mt < me; mt += MR) {
+                    const int mr = (int)hz_min<int64_t>(MR, me - mt);
+                    const int8_t* xq[MR]; const float* xd[MR]; const int32_t* xp[MR];
+                    for (int m = 0; m < MR; ++m) {
+                        const int64_t mm = mt + (m < mr ? m : mr - 1);
+                        xq[m] = a->q + mm * K + kp * 256;
+                        xd[m] = a->d + mm * nb + kp;
+                        xp[m] = xpb + (mm - mc) * KB * 4;
+                    }
+                    __m256 acc[MR];
+                    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+                    for (int64_t b = 0; b < kb; ++b) {
+                        __m256i is[MR];
+                        for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
+                        for (int j = 0; j < 8; ++j) {
+                            __m256i s16[MR];
+                            for (int m = 0; m < MR; ++m) s16[m] = _mm256_setzero_si256();
+                            const __m256i* wq = qbuf + (b * 8 + j) * 8;
+                            for (int g = 0; g < 8; ++g) {
+                                const __m256i w = _mm256_load_si256(wq + g);
+                                for (int m = 0; m < MR; ++m) {
+                                    const __m256i x = _mm256_set1_epi32((int)rd_u32((const uint8_t*)(xq[m] + b * 256 + 32 * j + 4 * g)));
+                                    s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(w, x));
+                                    // keeps the sums chained: GCC otherwise reassociates the 32 adds into a tree of
+                                    // 32 live products, spilled to the stack (measured ~40% slower)
+                                    __asm__("" : "+x"(s16[m]));
+                                }
+                            }
+                            const __m256i sc = sbuf[b * 8 + j];
+                            for (int m = 0; m < MR; ++m) is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(s16[m], sc));
+                        }
+                        for (int m = 0; m < MR; ++m) {
+                            __m256i ms = _mm256_madd_epi16(mbuf[b * 4], _mm256_set1_epi32(xp[m][b * 4]));
+                            for (int q = 1; q < 4; ++q)
+                                ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mbuf[b * 4 + q], _mm256_set1_epi32(xp[m][b * 4 + q])));
+                            const __m256 dx = _mm256_broadcast_ss(xd[m] + b);
+                            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), _mm256_mul_ps(dbuf[2 * b], dx), acc[m]);
+                            acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dbuf[2 * b + 1], dx), acc[m]);
+                        }
+                    }
+                    for (int m = 0; m < mr; ++m) {
+                        alignas(32) float o[NR];
+                        _mm256_store_ps(o, acc[m]);
+                        float* dst = y + (mt + m) * ldy + nt;
+                        for (int r = 0; r < nr; ++r) dst[r] = kp == 0 ? o[r] : dst[r] + o[r];
+                    }
+                }
+            }
+        }
+    }
+    free(qbuf); free(sbuf); free(mbuf); free(dbuf); free(xpb);
+}
+
 #if HZ_ISA >= 2
 #include "kernels_gemm512.h"
 #endif
@@ -272,6 +412,12 @@ static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
         return;
     }
 #endif
+    if constexpr (T::ID == FQ4_K::ID) {
+        if (hz_cpu_repack && M >= HZ_IL_MIN_M) {
+            gemm_il_q4k(W, rb, n0, n1, a, M, y, ldy);
+            return;
+        }
+    }
     // the min terms of blocks other than 32 values read 16 sums per block (xs + b * 16)
     static_assert(T::QK == 32 || T::QK == 256 || !Hooks<T>::HAS_MIN, "a min term needs 32- or 256-value blocks");
     if constexpr (T::QK != 32 && Hooks<T>::HAS_MIN && GemmMinRatio<T>::value == 0)

@@ -34,6 +34,9 @@ On ``avx512`` (and ``avx512-sim``) the prefill GEMM runs 512-bit register tiles 
 kernels load) or :func:`set_gemm512` gives that level's 256-bit tiles instead, for A/B runs.
 Its decode mat-vec (M = 1) of Q4_K and Q6_K runs 512-bit rows, two 32-value chunks per step, with
 the same bits as the 256-bit rows; ``HANZO_CPU_MATVEC512=0`` or :func:`set_matvec512` gives those.
+The 256-bit GEMM of Q4_K repacks each weight panel into rows interleaved 8 at a time (one
+activation broadcast feeds 8 rows); ``HANZO_CPU_REPACK=0`` or :func:`set_repack` gives the
+row-by-row tiles.
 
 Threads: torch's intra-op pool (``torch.set_num_threads``). Each parallel region of the kernels
 hands out tasks from a shared counter; an adaptive thread count runs the regions on the calling
@@ -67,7 +70,7 @@ from ..base import Backend, ComputeDefaults
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
-           "set_matvec512", "matvec512"]
+           "set_matvec512", "matvec512", "set_repack", "repack"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
@@ -257,6 +260,7 @@ def check_environment() -> None:
     _adaptive_env()
     _flag_env("HANZO_CPU_GEMM512")
     _flag_env("HANZO_CPU_MATVEC512")
+    _flag_env("HANZO_CPU_REPACK")
 
 
 def default_isa() -> int:
@@ -425,6 +429,11 @@ def _configure(ext) -> None:
         warnings.warn(f"hanzo_torch: {e}; the 512-bit GEMM stays on", RuntimeWarning, stacklevel=2)
         ext.set_gemm512(True)
     try:
+        ext.set_repack(_flag_env("HANZO_CPU_REPACK"))
+    except ValueError as e:
+        warnings.warn(f"hanzo_torch: {e}; the row-interleaved Q4_K GEMM stays on", RuntimeWarning, stacklevel=2)
+        ext.set_repack(True)
+    try:
         ext.set_matvec512(_flag_env("HANZO_CPU_MATVEC512"))
     except ValueError as e:
         warnings.warn(f"hanzo_torch: {e}; the 512-bit mat-vec stays on", RuntimeWarning, stacklevel=2)
@@ -521,6 +530,25 @@ def set_gemm512(enabled: bool) -> None:
 def gemm512() -> bool:
     """Whether the ``avx512`` level's GEMM uses its 512-bit tiles (:func:`set_gemm512`)."""
     return bool(_ext_or_raise().gemm512())
+
+
+def set_repack(enabled: bool) -> None:
+    """Run the 256-bit prefill GEMM of Q4_K (``avx2``, and ``avx512`` with :func:`set_gemm512`
+    off) on weight panels repacked per call into rows interleaved 8 at a time (True, the default;
+    at least 16 activation rows) or on the row-by-row tiles (False), for A/B runs. The packed
+    weights are not changed (the repack is a per-thread panel buffer, no copy of the model).
+    Results differ only in float32 summation order. ``HANZO_CPU_REPACK=0`` (read when the kernels
+    load) sets False.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_repack(bool(enabled))
+
+
+def repack() -> bool:
+    """Whether the 256-bit Q4_K GEMM runs on row-interleaved panels (:func:`set_repack`)."""
+    return bool(_ext_or_raise().repack())
 
 
 def set_matvec512(enabled: bool) -> None:
