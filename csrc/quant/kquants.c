@@ -110,6 +110,111 @@ static float qkx2(int n, int nmax, const float *x, const float *w, uint8_t *L, f
     return scale;
 }
 
+
+/* make_qkx2_quants / make_qkx3_quants (the same float32 operations when use_mad is 0) for the
+ * eight 32-value sub-blocks of a super-block at once, one sub-block per AVX2 lane: each lane
+ * runs the scalar order of operations exactly (no FMA, IEEE div/sqrt, round-to-nearest-even
+ * conversion), so the bytes equal the scalar path's. x, w: 256 floats (sub-block j at 32 * j);
+ * writes L[256], scale[8], the_min[8]. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HZ_HAVE_AVX2_PATH 1
+__attribute__((target("avx2")))
+static void qkx_avx2(const float *x, const float *w, uint8_t *L, float *scale_out, float *min_out,
+                     int nmax, float rmin, float rdelta, int nstep) {
+    __m256 X[32], W[32];
+    __m256i BL[32];
+    const __m256i idx = _mm256_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224);
+    for (int i = 0; i < 32; ++i) {
+        X[i] = _mm256_i32gather_ps(x + i, idx, 4);
+        W[i] = _mm256_i32gather_ps(w + i, idx, 4);
+    }
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256i izero = _mm256_setzero_si256(), inmax = _mm256_set1_epi32(nmax);
+    __m256 mn = X[0], mx = X[0], sum_w = W[0], sum_x = _mm256_mul_ps(W[0], X[0]);
+    for (int i = 1; i < 32; ++i) {
+        mn = _mm256_min_ps(X[i], mn);  /* x < mn ? x : mn */
+        mx = _mm256_max_ps(X[i], mx);  /* x > mx ? x : mx */
+        sum_w = _mm256_add_ps(sum_w, W[i]);
+        sum_x = _mm256_add_ps(sum_x, _mm256_mul_ps(W[i], X[i]));
+    }
+    mn = _mm256_blendv_ps(mn, zero, _mm256_cmp_ps(mn, zero, _CMP_GT_OQ));
+    const __m256 mn0 = mn, flat = _mm256_cmp_ps(mx, mn, _CMP_LE_OQ);
+    __m256 iscale = _mm256_div_ps(_mm256_set1_ps((float)nmax), _mm256_sub_ps(mx, mn));
+    __m256 scale = _mm256_div_ps(_mm256_set1_ps(1.f), iscale), best = zero;
+    for (int i = 0; i < 32; ++i) {
+        __m256i l = _mm256_cvtps_epi32(_mm256_mul_ps(iscale, _mm256_sub_ps(X[i], mn)));
+        l = _mm256_min_epi32(_mm256_max_epi32(l, izero), inmax);
+        BL[i] = l;
+        __m256 d = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(l)), mn), X[i]);
+        best = _mm256_add_ps(best, _mm256_mul_ps(W[i], _mm256_mul_ps(d, d)));
+    }
+    for (int is = 0; is <= nstep; ++is) {
+        iscale = _mm256_div_ps(_mm256_set1_ps(rmin + rdelta * is + nmax), _mm256_sub_ps(mx, mn));
+        __m256 sl = zero, sl2 = zero, sxl = zero;
+        __m256i La[32];
+        for (int i = 0; i < 32; ++i) {
+            __m256i l = _mm256_cvtps_epi32(_mm256_mul_ps(iscale, _mm256_sub_ps(X[i], mn)));
+            l = _mm256_min_epi32(_mm256_max_epi32(l, izero), inmax);
+            La[i] = l;
+            __m256 fl = _mm256_cvtepi32_ps(l), wl = _mm256_mul_ps(W[i], fl);
+            sl = _mm256_add_ps(sl, wl);
+            sl2 = _mm256_add_ps(sl2, _mm256_mul_ps(wl, fl));
+            sxl = _mm256_add_ps(sxl, _mm256_mul_ps(wl, X[i]));
+        }
+        __m256 D = _mm256_sub_ps(_mm256_mul_ps(sum_w, sl2), _mm256_mul_ps(sl, sl));
+        __m256 ok = _mm256_cmp_ps(D, zero, _CMP_GT_OQ);
+        if (!_mm256_movemask_ps(ok)) continue;
+        __m256 s = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(sum_w, sxl), _mm256_mul_ps(sum_x, sl)), D);
+        __m256 m = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(sl2, sum_x), _mm256_mul_ps(sl, sxl)), D);
+        __m256 mpos = _mm256_cmp_ps(m, zero, _CMP_GT_OQ);
+        m = _mm256_blendv_ps(m, zero, mpos);
+        s = _mm256_blendv_ps(s, _mm256_div_ps(sxl, sl2), mpos);
+        __m256 err = zero;
+        for (int i = 0; i < 32; ++i) {
+            __m256 d = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(s, _mm256_cvtepi32_ps(La[i])), m), X[i]);
+            err = _mm256_add_ps(err, _mm256_mul_ps(W[i], _mm256_mul_ps(d, d)));
+        }
+        __m256 upd = _mm256_and_ps(ok, _mm256_cmp_ps(err, best, _CMP_LT_OQ));
+        if (!_mm256_movemask_ps(upd)) continue;
+        __m256i updi = _mm256_castps_si256(upd);
+        for (int i = 0; i < 32; ++i) BL[i] = _mm256_blendv_epi8(BL[i], La[i], updi);
+        best = _mm256_blendv_ps(best, err, upd);
+        scale = _mm256_blendv_ps(scale, s, upd);
+        mn = _mm256_blendv_ps(mn, m, upd);
+    }
+    __m256i flati = _mm256_castps_si256(flat);
+    scale = _mm256_blendv_ps(scale, zero, flat);
+    mn = _mm256_blendv_ps(mn, mn0, flat);
+    __m256 neg = _mm256_xor_ps(mn, _mm256_set1_ps(-0.f));
+    _mm256_storeu_ps(scale_out, scale);
+    _mm256_storeu_ps(min_out, neg);
+    int32_t lanes[8];
+    for (int i = 0; i < 32; ++i) {
+        _mm256_storeu_si256((__m256i *)lanes, _mm256_blendv_epi8(BL[i], izero, flati));
+        for (int j = 0; j < 8; ++j) L[32 * j + i] = (uint8_t)lanes[j];
+    }
+}
+#endif
+
+/* 1 when the AVX2 sub-block search runs (the CPU has AVX2 and hz_quant_set_simd(0) was not called) */
+static int simd_on = -1;
+static int use_simd(void) {
+#ifdef HZ_HAVE_AVX2_PATH
+    if (simd_on < 0) simd_on = __builtin_cpu_supports("avx2") ? 1 : 0;
+    return simd_on;
+#else
+    return 0;
+#endif
+}
+
+/* Turn the AVX2 path off (0) or back on where the CPU has it (1); returns whether it is on. */
+int hz_quant_set_simd(int on) {
+    simd_on = -1;
+    if (!on) { simd_on = 0; return 0; }
+    return use_simd();
+}
+
 static void absmax(int n, const float *x, float *amax, float *max) {
     *amax = 0; *max = 0;
     for (int i = 0; i < n; ++i) {
@@ -269,14 +374,21 @@ static void q3_k_block(const float *x, uint8_t *y) {
 
 /* Q4_K / Q5_K: d, dmin, 12 scale bytes, then the codes L[256] (returned) */
 static void k4_head(const float *x, uint8_t *y, uint8_t *L, int nmax, float rmin, int nstep) {
-    float w[32], sc[8], mn[8], max_s = 0, max_m = 0;
+    float w[QK], sc[8], mn[8], max_s = 0, max_m = 0;
     for (int j = 0; j < 8; ++j) {
         const float *xj = x + 32 * j;
         float s2 = 0;
         for (int l = 0; l < 32; ++l) s2 += xj[l] * xj[l];
         float av = sqrtf(s2 / 32);
-        for (int l = 0; l < 32; ++l) w[l] = av + fabsf(xj[l]);
-        sc[j] = qkx2(32, nmax, xj, w, L + 32 * j, &mn[j], rmin, 0.1f, nstep, 0);
+        for (int l = 0; l < 32; ++l) w[32 * j + l] = av + fabsf(xj[l]);
+    }
+#ifdef HZ_HAVE_AVX2_PATH
+    if (use_simd()) qkx_avx2(x, w, L, sc, mn, nmax, rmin, 0.1f, nstep);
+    else
+#endif
+    for (int j = 0; j < 8; ++j)
+        sc[j] = qkx2(32, nmax, x + 32 * j, w + 32 * j, L + 32 * j, &mn[j], rmin, 0.1f, nstep, 0);
+    for (int j = 0; j < 8; ++j) {
         if (sc[j] > max_s) max_s = sc[j];
         if (mn[j] > max_m) max_m = mn[j];
     }
@@ -544,16 +656,22 @@ static void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
 
 /* Q4_K / Q5_K with weights: d, dmin, 12 scale bytes, then the codes L[256] (returned) */
 static void k4_head_w(const float *x, uint8_t *y, uint8_t *L, int nmax, const float *qw, int cap) {
-    float w[32], sw[8], sc[8], mn[8];
+    float w[QK], sw[8], sc[8], mn[8];
     uint8_t Ls[8], Lm[8], *scales = y + 4;
     float sigma2 = 2 * sum_sq(QK, x) / QK;
     for (int j = 0; j < 8; ++j) {
-        for (int l = 0; l < 32; ++l) w[l] = qw[32 * j + l] * sqrtf(sigma2 + x[32 * j + l] * x[32 * j + l]);
+        float *wj = w + 32 * j;
+        for (int l = 0; l < 32; ++l) wj[l] = qw[32 * j + l] * sqrtf(sigma2 + x[32 * j + l] * x[32 * j + l]);
         float s = 0;
-        for (int l = 0; l < 32; ++l) s += w[l];
+        for (int l = 0; l < 32; ++l) s += wj[l];
         sw[j] = s;
-        sc[j] = qkx3(32, nmax, x + 32 * j, w, L + 32 * j, &mn[j], -0.9f, 0.05f, 36);
     }
+#ifdef HZ_HAVE_AVX2_PATH
+    if (use_simd()) qkx_avx2(x, w, L, sc, mn, nmax, -0.9f, 0.05f, 36);
+    else
+#endif
+    for (int j = 0; j < 8; ++j)
+        sc[j] = qkx3(32, nmax, x + 32 * j, w + 32 * j, L + 32 * j, &mn[j], -0.9f, 0.05f, 36);
     float d_block = qp(8, 63, sc, Ls, sw), m_block = qp(8, 63, mn, Lm, sw);
     for (int j = 0; j < 8; ++j) {
         uint8_t ls = Ls[j], lm = Lm[j];

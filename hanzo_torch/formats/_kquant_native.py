@@ -52,6 +52,8 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     lib.hz_quantize_k.restype = ctypes.c_int
     lib.hz_quantize_k.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.hz_quant_set_simd.restype = ctypes.c_int
+    lib.hz_quant_set_simd.argtypes = [ctypes.c_int]
     lib.hz_quantize_rows.restype = ctypes.c_int
     lib.hz_quantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_int]
@@ -72,7 +74,9 @@ def _compile(cc: str, flags: list, so: Path) -> None:
 
 
 def library() -> Optional[ctypes.CDLL]:
-    """The loaded kernel library, or None (disabled, or it could not be built: see :func:`error`)."""
+    """The loaded kernel library, or None (disabled, or it could not be built: see :func:`error`).
+    Its AVX2 sub-block search is on where the CPU has AVX2 unless ``HANZO_QUANT_SIMD=0`` (read at
+    each call; the two paths give the same bytes)."""
     if not enabled():
         return None
     global _lib, _error
@@ -82,6 +86,8 @@ def library() -> Optional[ctypes.CDLL]:
                 _lib = _build()
             except (OSError, RuntimeError) as e:
                 _error = str(e)
+        if _lib is not None:
+            _lib.hz_quant_set_simd(0 if os.environ.get("HANZO_QUANT_SIMD", "1") == "0" else 1)
         return _lib
 
 
