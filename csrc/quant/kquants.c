@@ -859,22 +859,36 @@ static void legacy_row_w(int type_id, const float *x, uint8_t *y, int64_t n, con
 
 typedef void (*block_fn)(const float *, uint8_t *, const float *);
 
+/* 1 when the n floats at x are all finite (exponent bits not all ones) */
+static int all_finite(const float *x, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u; memcpy(&u, x + i, 4);
+        bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+    }
+    return !bad;
+}
+
 /* Quantize nrows rows of n_per_row floats at x into y, as ggml_quantize_chunk(type_id, ...) does:
  * type_id is ggml's (10..14: Q2_K..Q6_K, 20: IQ4_NL, 23: IQ4_XS; 2, 3, 6, 7: Q4_0, Q4_1, Q5_0,
  * Q5_1 with weights only); qw, when not NULL, holds n_per_row importance weights shared by every
- * row. Returns 0, -1 for an unknown type (or a legacy type without weights), -2 for a row length
- * that is not a block multiple. */
+ * row. Each block is checked for non-finite values as it is quantized. Returns 0, -1 for an
+ * unknown type (or a legacy type without weights), -2 for a row length that is not a block
+ * multiple, -3 when x holds a non-finite value (y is then partly written). */
 int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int64_t n_per_row,
                      const float *qw, int nthreads) {
     block_fn f;
-    int bs = QK, ts;
+    int bs = QK, ts, bad = 0;
     if (type_id == 2 || type_id == 3 || type_id == 6 || type_id == 7) {
         if (!qw) return -1;  /* without weights these are ggml's _ref quantizers, not here */
         if (n_per_row <= 0 || n_per_row % 32) return -2;
         int64_t rb = n_per_row / 32 * (type_id == 2 ? 18 : type_id == 3 ? 20 : type_id == 6 ? 22 : 24);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t r = 0; r < nrows; ++r) legacy_row_w(type_id, x + r * n_per_row, y + r * rb, n_per_row, qw);
-        return 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(|:bad)
+        for (int64_t r = 0; r < nrows; ++r) {
+            if (!all_finite(x + r * n_per_row, n_per_row)) { bad = 1; continue; }
+            legacy_row_w(type_id, x + r * n_per_row, y + r * rb, n_per_row, qw);
+        }
+        return bad ? -3 : 0;
     }
     switch (type_id) {
     case 10: f = q2_k_any; ts = 84; break;
@@ -888,14 +902,16 @@ int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int
     }
     if (n_per_row <= 0 || n_per_row % bs) return -2;
     int64_t per_row = n_per_row / bs, n = nrows * per_row;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t i = 0; i < n; ++i)
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(|:bad)
+    for (int64_t i = 0; i < n; ++i) {
+        if (!all_finite(x + i * bs, bs)) { bad = 1; continue; }
         f(x + i * bs, y + i * ts, qw ? qw + (i % per_row) * bs : NULL);
-    return 0;
+    }
+    return bad ? -3 : 0;
 }
 
 /* Quantize n super-blocks of 256 floats at x into y without weights, nthreads threads.
- * kind: 2..6 for Q2_K..Q6_K. Returns 0, or -1 for an unknown kind. */
+ * kind: 2..6 for Q2_K..Q6_K. Returns 0, -1 for an unknown kind, -3 for a non-finite value. */
 int hz_quantize_k(int kind, const float *x, uint8_t *y, int64_t n, int nthreads) {
     if (kind < 2 || kind > 6) return -1;
     return hz_quantize_rows(8 + kind, x, y, n, QK, NULL, nthreads);

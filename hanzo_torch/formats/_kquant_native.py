@@ -96,8 +96,18 @@ def error() -> Optional[str]:
     return _error
 
 
+def raise_non_finite(blocks: torch.Tensor, name: str) -> None:
+    """Raise the ValueError naming the first non-finite value of ``blocks [n, block_size]``."""
+    bad = (~torch.isfinite(blocks)).nonzero()[0].tolist()
+    raise ValueError(f"{name}: cannot quantize non-finite values (block {bad[0]}, value {bad[1]})")
+
+
 def quantize(x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
-    """Quantize finite float32 super-blocks ``x [n, 256]`` on the CPU to ``name``; None if unavailable."""
+    """Quantize float32 super-blocks ``x [n, 256]`` on the CPU to ``name``; None if unavailable.
+
+    Raises:
+        ValueError: a non-finite value (the kernel checks each block as it quantizes it).
+    """
     lib = library()
     if lib is None or x.device.type != "cpu":
         return None
@@ -106,6 +116,8 @@ def quantize(x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
     x = x.contiguous()
     out = torch.empty(x.shape[0], fmt.type_size, dtype=torch.uint8)
     rc = lib.hz_quantize_k(KINDS[name], x.data_ptr(), out.data_ptr(), x.shape[0], max(1, torch.get_num_threads()))
+    if rc == -3:
+        raise_non_finite(x, name)
     if rc != 0:
         raise RuntimeError(f"hz_quantize_k({name}) returned {rc}")
     return out
@@ -127,6 +139,8 @@ def quantize_rows(x: torch.Tensor, name: str, quant_weights: Optional[torch.Tens
         qw = quant_weights.to(torch.float32).contiguous()
     rc = lib.hz_quantize_rows(fmt.type_id, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                               None if qw is None else qw.data_ptr(), max(1, torch.get_num_threads()))
+    if rc == -3:
+        raise_non_finite(x.reshape(-1, fmt.block_size), name)
     if rc != 0:
         raise RuntimeError(f"hz_quantize_rows({name}) returned {rc}")
     return out

@@ -168,16 +168,18 @@ def quantize_rows(x: torch.Tensor, name: str, quant_weights: Optional[torch.Tens
     k = x.shape[1]
     fmt.row_bytes(k)
     bs = fmt.block_size
-    blocks = kquant_search._checked(x.reshape(-1, bs), name).reshape(x.shape[0], k)
+    blocks = check_values(x.reshape(-1, bs), name).reshape(x.shape[0], k)
     qw = None if quant_weights is None else _checked_weights(quant_weights, k, name).to(x.device)
     if not x.shape[0]:
         return torch.empty(0, fmt.row_bytes(k), dtype=torch.uint8, device=x.device)
-    if qw is None and name in _kquant_native.WEIGHTED_ONLY:
-        return fmt.quantize_blocks(x.reshape(-1, bs)).reshape(x.shape[0], -1)
-    if x.device.type == "cpu" and not kquant_search.EMULATE_FMA:
-        out = _kquant_native.quantize_rows(blocks, name, qw)
+    if x.device.type == "cpu" and not kquant_search.EMULATE_FMA and not (
+            qw is None and name in _kquant_native.WEIGHTED_ONLY):
+        out = _kquant_native.quantize_rows(blocks, name, qw)  # checks finiteness itself
         if out is not None:
             return out
+    blocks = kquant_search._checked(blocks.reshape(-1, bs), name).reshape(x.shape[0], k)
+    if qw is None and name in _kquant_native.WEIGHTED_ONLY:
+        return fmt.quantize_blocks(x.reshape(-1, bs)).reshape(x.shape[0], -1)
     if name not in ("IQ4_NL", "IQ4_XS"):
         if qw is None:
             return fmt.quantize_blocks(x.reshape(-1, bs)).reshape(x.shape[0], -1)
