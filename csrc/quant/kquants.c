@@ -437,11 +437,83 @@ static void q5_k_block(const float *x, uint8_t *y) {
         }
 }
 
+#ifdef HZ_HAVE_AVX2_PATH
+/* make_qx_quants with rmse_type 1 (qx_rmse1) for eight 16-value sub-blocks at once, one per
+ * AVX2 lane, in the scalar order of operations: x, qw (or NULL): 128 floats (sub-block j at
+ * 16 * j); writes L[128] (offset by nmax) and scale[8]. */
+__attribute__((target("avx2")))
+static void qx16_avx2(const float *x, const float *qw, int8_t *L, float *scale_out, int nmax) {
+    __m256 X[16], W[16];
+    __m256i BL[16];
+    const __m256i idx = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+    const __m256 zero = _mm256_setzero_ps(), absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lo = _mm256_set1_epi32(-nmax), hi = _mm256_set1_epi32(nmax - 1);
+    __m256 amax = zero, mx = zero;
+    for (int i = 0; i < 16; ++i) {
+        X[i] = _mm256_i32gather_ps(x + i, idx, 4);
+        W[i] = qw ? _mm256_i32gather_ps(qw + i, idx, 4) : _mm256_mul_ps(X[i], X[i]);
+        __m256 a = _mm256_and_ps(X[i], absm), gt = _mm256_cmp_ps(a, amax, _CMP_GT_OQ);
+        amax = _mm256_blendv_ps(amax, a, gt);
+        mx = _mm256_blendv_ps(mx, X[i], gt);
+    }
+    const __m256 tiny = _mm256_cmp_ps(amax, _mm256_set1_ps(EPS), _CMP_LT_OQ);
+    __m256 iscale = _mm256_div_ps(_mm256_set1_ps((float)-nmax), mx), sumlx = zero, suml2 = zero;
+    for (int i = 0; i < 16; ++i) {
+        __m256i l = _mm256_cvtps_epi32(_mm256_mul_ps(iscale, X[i]));
+        l = _mm256_min_epi32(_mm256_max_epi32(l, lo), hi);
+        BL[i] = l;
+        __m256 fl = _mm256_cvtepi32_ps(l);
+        sumlx = _mm256_add_ps(sumlx, _mm256_mul_ps(_mm256_mul_ps(W[i], X[i]), fl));
+        suml2 = _mm256_add_ps(suml2, _mm256_mul_ps(_mm256_mul_ps(W[i], fl), fl));
+    }
+    __m256 nz = _mm256_cmp_ps(suml2, zero, _CMP_NEQ_UQ);
+    __m256 scale = _mm256_and_ps(nz, _mm256_div_ps(sumlx, suml2));
+    __m256 best = _mm256_mul_ps(scale, sumlx);
+    for (int is = -9; is <= 9; ++is) {
+        if (is == 0) continue;
+        iscale = _mm256_div_ps(_mm256_set1_ps(-(nmax + 0.1f * is)), mx);
+        __m256i La[16];
+        sumlx = suml2 = zero;
+        for (int i = 0; i < 16; ++i) {
+            __m256i l = _mm256_cvtps_epi32(_mm256_mul_ps(iscale, X[i]));
+            l = _mm256_min_epi32(_mm256_max_epi32(l, lo), hi);
+            La[i] = l;
+            __m256 fl = _mm256_cvtepi32_ps(l);
+            sumlx = _mm256_add_ps(sumlx, _mm256_mul_ps(_mm256_mul_ps(W[i], X[i]), fl));
+            suml2 = _mm256_add_ps(suml2, _mm256_mul_ps(_mm256_mul_ps(W[i], fl), fl));
+        }
+        __m256 upd = _mm256_and_ps(_mm256_cmp_ps(suml2, zero, _CMP_GT_OQ),
+                                   _mm256_cmp_ps(_mm256_mul_ps(sumlx, sumlx), _mm256_mul_ps(best, suml2), _CMP_GT_OQ));
+        if (!_mm256_movemask_ps(upd)) continue;
+        __m256i updi = _mm256_castps_si256(upd);
+        for (int i = 0; i < 16; ++i) BL[i] = _mm256_blendv_epi8(BL[i], La[i], updi);
+        __m256 s = _mm256_div_ps(sumlx, suml2);
+        scale = _mm256_blendv_ps(scale, s, upd);
+        best = _mm256_blendv_ps(best, _mm256_mul_ps(s, sumlx), upd);
+    }
+    scale = _mm256_blendv_ps(scale, zero, tiny);
+    _mm256_storeu_ps(scale_out, scale);
+    const __m256i off = _mm256_set1_epi32(nmax), tinyi = _mm256_castps_si256(tiny);
+    int32_t lanes[8];
+    for (int i = 0; i < 16; ++i) {
+        _mm256_storeu_si256((__m256i *)lanes, _mm256_blendv_epi8(_mm256_add_epi32(BL[i], off),
+                                                                 _mm256_setzero_si256(), tinyi));
+        for (int j = 0; j < 8; ++j) L[16 * j + i] = (int8_t)lanes[j];
+    }
+}
+#endif
+
 static void q6_k_block(const float *x, uint8_t *y, const float *qw) {
     int8_t L[QK];
     float sc[16], amax = 0, max_s = 0;
+#ifdef HZ_HAVE_AVX2_PATH
+    if (use_simd()) {
+        qx16_avx2(x, qw, L, sc, 32);
+        qx16_avx2(x + 128, qw ? qw + 128 : NULL, L + 128, sc + 8, 32);
+    } else
+#endif
+    for (int j = 0; j < 16; ++j) sc[j] = qx_rmse1(16, 32, x + 16 * j, L + 16 * j, qw ? qw + 16 * j : NULL);
     for (int j = 0; j < 16; ++j) {
-        sc[j] = qx_rmse1(16, 32, x + 16 * j, L + 16 * j, qw ? qw + 16 * j : NULL);
         float a = fabsf(sc[j]);
         if (a > amax) { amax = a; max_s = sc[j]; }
     }
