@@ -233,7 +233,7 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
         FileNotFoundError / GGUFError: ``src`` (or the imatrix file) is missing or malformed.
     """
     from .formats import get_format
-    from .gguf_file import GGUFFile, save_gguf
+    from .gguf_file import DeferredTensor, GGUFFile, save_gguf
     from .imatrix import IMatrix, load_imatrix
     from .tensor import GGUFTensor
 
@@ -297,28 +297,32 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(names), unit="tensor", desc=f"quantize {key}", leave=False)
-    out = {}
-    try:
-        for name in names:
-            t = f.tensors[name]
-            target = plan[name]
-            if bar is not None:
-                bar.set_postfix_str(f"{name} {t.qtype}->{target}")
-            if target == t.qtype and name not in replace:
-                out[name] = t  # as llama-quantize: a tensor already of its type is copied, not requantized
+
+    def produce(name: str):
+        # called by save_gguf as it writes tensor ``name``: one tensor in memory at a time
+        t = f.tensors[name]
+        target = plan[name]
+        if bar is not None:
+            bar.set_postfix_str(f"{name} {t.qtype}->{target}")
+        if target == t.qtype and name not in replace:
+            res = t  # as llama-quantize: a tensor already of its type is copied, not requantized
+        else:
+            dense = replace[name].float() if name in replace else t.dequantize(torch.float32)
+            if target in _DENSE:
+                res = dense.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[target])
             else:
-                dense = replace[name].float() if name in replace else t.dequantize(torch.float32)
-                if target in _DENSE:
-                    out[name] = dense.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[target])
-                else:
-                    packed = quantize_tensor(dense, target, weights.get(name))
-                    out[name] = GGUFTensor(packed, target, tuple(dense.shape))
-            if bar is not None:
-                bar.update(1)
+                res = GGUFTensor(quantize_tensor(dense, target, weights.get(name)), target, tuple(dense.shape))
+            del dense
+        if bar is not None:
+            bar.update(1)
+        return res
+
+    out = {name: DeferredTensor(tuple(infos[name].shape), plan[name], lambda n=name: produce(n)) for name in names}
+    try:
+        save_gguf(dst, out, meta, metadata_types=types)
     finally:
         if bar is not None:
             bar.close()
-    save_gguf(dst, out, meta, metadata_types=types)
     if log is not None:
         log(f"wrote {dst}: {len(out)} tensors")
     return plan
