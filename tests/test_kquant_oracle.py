@@ -22,6 +22,7 @@ import hanzo_torch
 KQ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 IQ4 = ["IQ4_NL", "IQ4_XS"]
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+CODEBOOK = ["IQ3_XXS"]  # the C kernel only
 
 pytestmark = pytest.mark.slow
 
@@ -109,6 +110,14 @@ def test_iq4_random_weights_byte_identical(ggml, name, path, monkeypatch):
             assert bad == 0, f"{name} {case} weights={qw is not None}: {bad} of {total} blocks differ"
 
 
+@pytest.mark.parametrize("name", CODEBOOK)
+def test_codebook_iquants_random_byte_identical(ggml, name):
+    for case, x in _cases().items():
+        for qw in (None, _imatrix_like(x.shape[1], 5 * x.shape[1])):
+            bad, total = _compare(hanzo_torch.quantize(x, name, quant_weights=qw), ggml(x, name, qw), name)
+            assert bad == 0, f"{name} {case} weights={qw is not None}: {bad} of {total} blocks differ"
+
+
 @pytest.mark.parametrize("name", KQ + LEGACY)
 def test_weighted_kquants_random_byte_identical(ggml, name):
     for case, x in _cases().items():
@@ -126,7 +135,7 @@ def test_real_weights_with_weights_byte_identical(ggml):
             continue
         w = f.tensors[tname].dequantize().reshape(-1, f.tensors[tname].shape[-1])[:256].contiguous()
         qw = _imatrix_like(w.shape[1], 3)
-        for name in KQ + IQ4 + LEGACY:
+        for name in KQ + IQ4 + LEGACY + CODEBOOK:
             for weights in (None, qw):
                 bad, total = _compare(hanzo_torch.quantize(w, name, quant_weights=weights), ggml(w, name, weights), name)
                 assert bad == 0, f"{tname} as {name} weights={weights is not None}: {bad} of {total} blocks differ"

@@ -6,7 +6,9 @@
  * torch version with EMULATE_FMA False and in libggml-base as ggml's CMake build compiles it.
  * Block layouts: ggml-common.h (block_q2_K .. block_q6_K).
  */
+#include <float.h>
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -929,6 +931,209 @@ static void legacy_row_w(int type_id, const float *x, uint8_t *y, int64_t n, con
     }
 }
 
+
+/* ---- IQ3_XXS (ggml's quantize_row_iq3_xxs_impl, grid size 256) ----
+ * Layout (ggml-common.h block_iq3_xxs, 98 bytes): fp16 d; 64 grid indices (8 per group of 32, one
+ * per 4 values); 8 little-endian uint32, per group: four 7-bit sign masks (the 8th sign of each 8
+ * values is the parity) and a 4-bit scale in bits 28..31. */
+
+/* the 256 grid points: 4 three-bit levels l (value 2l + 1), level i in bits 3i..3i+2 */
+static const uint16_t IQ3XXS_KGRID[256] = {
+       0,    2,    4,    9,   11,   15,   16,   18,   25,   34,   59,   61,   65,   67,   72,   74,
+      81,   85,   88,   90,   97,  108,  120,  128,  130,  132,  137,  144,  146,  153,  155,  159,
+     169,  175,  189,  193,  199,  200,  202,  213,  248,  267,  287,  292,  303,  315,  317,  321,
+     327,  346,  362,  413,  436,  456,  460,  462,  483,  497,  513,  515,  520,  522,  529,  531,
+     536,  538,  540,  551,  552,  576,  578,  585,  592,  594,  641,  643,  648,  650,  657,  664,
+     698,  704,  706,  720,  729,  742,  758,  769,  773,  808,  848,  852,  870,  889,  901,  978,
+     992, 1024, 1026, 1033, 1035, 1040, 1042, 1046, 1049, 1058, 1089, 1091, 1093, 1096, 1098, 1105,
+    1112, 1139, 1143, 1144, 1152, 1154, 1161, 1167, 1168, 1170, 1183, 1184, 1197, 1217, 1224, 1228,
+    1272, 1276, 1309, 1323, 1347, 1367, 1377, 1404, 1473, 1475, 1486, 1509, 1537, 1544, 1546, 1553,
+    1555, 1576, 1589, 1594, 1600, 1602, 1616, 1625, 1636, 1638, 1665, 1667, 1672, 1685, 1706, 1722,
+    1737, 1755, 1816, 1831, 1850, 1856, 1862, 1874, 1901, 1932, 1950, 1971, 2011, 2032, 2052, 2063,
+    2077, 2079, 2091, 2095, 2172, 2192, 2207, 2208, 2224, 2230, 2247, 2277, 2308, 2345, 2356, 2389,
+    2403, 2424, 2501, 2504, 2506, 2520, 2570, 2593, 2616, 2624, 2630, 2646, 2669, 2700, 2714, 2746,
+    2754, 2795, 2824, 2835, 2839, 2874, 2882, 2905, 2984, 3028, 3042, 3092, 3108, 3110, 3124, 3153,
+    3185, 3215, 3252, 3288, 3294, 3364, 3397, 3434, 3483, 3523, 3537, 3587, 3589, 3591, 3592, 3610,
+    3626, 3670, 3680, 3722, 3749, 3754, 3776, 3789, 3803, 3824, 3857, 3873, 3904, 3906, 3924, 3992,
+};
+static int8_t iq3_grid[256][4];   /* the points' values 2l + 1 */
+static int iq3_map[4096];         /* code (4 levels) -> grid index, or -1 - offset into iq3_nb */
+static uint16_t *iq3_nb;          /* per code off the grid: count, then the neighbours' indices */
+static volatile int iq3_ready;
+
+/* The neighbours of a code off the grid: the grid points at the two smallest squared
+ * distances, ordered by (distance, index) as ggml's qsort of (d2, index) pairs orders them. */
+static int iq3_init(void) {
+    if (iq3_ready) return 0;
+    int rc = 0;
+#pragma omp critical(hz_iq3_init)
+    if (!iq3_ready) {
+        for (int k = 0; k < 256; ++k)
+            for (int i = 0; i < 4; ++i) iq3_grid[k][i] = (int8_t)(2 * ((IQ3XXS_KGRID[k] >> (3 * i)) & 7) + 1);
+        for (int u = 0; u < 4096; ++u) iq3_map[u] = -1;
+        for (int k = 0; k < 256; ++k) iq3_map[IQ3XXS_KGRID[k]] = k;
+        size_t cap = 4096 * 16, used = 0;
+        uint16_t *nb = (uint16_t *)malloc(cap * sizeof(uint16_t));
+        for (int u = 0; u < 4096 && nb; ++u) {
+            if (iq3_map[u] >= 0) continue;
+            int d2[256], best1 = 1 << 30, best2 = 1 << 30;
+            for (int j = 0; j < 256; ++j) {
+                int d = 0;
+                for (int i = 0; i < 4; ++i) {
+                    int e = iq3_grid[j][i] - (2 * ((u >> (3 * i)) & 7) + 1);
+                    d += e * e;
+                }
+                d2[j] = d;
+                if (d < best1) { best2 = best1; best1 = d; }
+                else if (d > best1 && d < best2) best2 = d;
+            }
+            if (used + 257 > cap) {
+                cap *= 2;
+                uint16_t *t = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
+                if (!t) { free(nb); nb = NULL; break; }
+                nb = t;
+            }
+            iq3_map[u] = -1 - (int)used;
+            size_t start = used++;
+            for (int j = 0; j < 256; ++j) if (d2[j] == best1) nb[used++] = (uint16_t)j;
+            for (int j = 0; j < 256; ++j) if (d2[j] == best2) nb[used++] = (uint16_t)j;
+            nb[start] = (uint16_t)(used - start - 1);
+        }
+        if (nb) { iq3_nb = nb; iq3_ready = 1; } else rc = -4;
+    }
+    return rc;
+}
+
+/* ggml's iq3_find_best_neighbour: the neighbour with the least weighted squared error */
+static int iq3_best_neighbour(const uint16_t *nb, const float *xval, const float *w, float scale, int8_t *L) {
+    int n = nb[0], gi = -1;
+    float best = FLT_MAX;
+    for (int j = 1; j <= n; ++j) {
+        const int8_t *pg = iq3_grid[nb[j]];
+        float d2 = 0;
+        for (int i = 0; i < 4; ++i) {
+            float q = pg[i];
+            float diff = scale * q - xval[i];
+            d2 += w[i] * diff * diff;
+        }
+        if (d2 < best) { best = d2; gi = nb[j]; }
+    }
+    if (gi < 0) gi = nb[1];  /* all errors inf/NaN (ggml aborts there) */
+    for (int i = 0; i < 4; ++i) L[i] = (int8_t)((iq3_grid[gi][i] - 1) / 2);
+    return gi;
+}
+
+static inline int iq3_code(const int8_t *L) { return L[0] | (L[1] << 3) | (L[2] << 6) | (L[3] << 9); }
+
+static void iq3_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
+    const int kmax = 8;
+    float scales[8], weight[32], xval[32], waux[32], max_scale = 0;
+    int8_t L[32], Laux[32];
+    int on[8], on_aux[8];
+    uint8_t signs[4], q3[64];
+    uint32_t sas[8];
+    memset(q3, 0, sizeof q3);
+    memset(sas, 0, sizeof sas);
+    float sumx2 = 0;
+    for (int i = 0; i < QK; ++i) sumx2 += xbl[i] * xbl[i];
+    float sigma2 = 2 * sumx2 / QK;
+    for (int ib = 0; ib < 8; ++ib) {
+        const float *xb = xbl + 32 * ib;
+        if (qw) for (int i = 0; i < 32; ++i) weight[i] = qw[32 * ib + i] * sqrtf(sigma2 + xb[i] * xb[i]);
+        else for (int i = 0; i < 32; ++i) weight[i] = xb[i] * xb[i];
+        for (int i = 0; i < 32; ++i) waux[i] = sqrtf(weight[i]);
+        for (int k = 0; k < 4; ++k) {
+            int nflip = 0;
+            uint8_t sg = 0;
+            for (int i = 0; i < 8; ++i) {
+                if (xb[8 * k + i] >= 0) xval[8 * k + i] = xb[8 * k + i];
+                else { xval[8 * k + i] = -xb[8 * k + i]; ++nflip; sg |= (uint8_t)(1 << i); }
+            }
+            if (nflip % 2) {  /* odd: flip the value that costs least, keeping an even count */
+                int imin = 0;
+                float mn = weight[8 * k] * xb[8 * k] * xb[8 * k];
+                for (int i = 1; i < 8; ++i) {
+                    float ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
+                    if (ax < mn) { mn = ax; imin = i; }
+                }
+                xval[8 * k + imin] = -xval[8 * k + imin];
+                sg ^= (uint8_t)(1 << imin);
+            }
+            signs[k] = sg & 127;
+        }
+        float mx = xval[0];
+        for (int i = 1; i < 32; ++i) mx = mx > xval[i] ? mx : xval[i];
+        memset(L, 0, 32);
+        if (mx < 1e-8f) { scales[ib] = 0; continue; }
+        float best = 0, scale = mx / (2 * kmax - 1);
+        for (int k = 0; k < 8; ++k) on[k] = 1;
+        for (int is = -15; is <= 15; ++is) {
+            float id = (2 * kmax - 1 + is * 0.2f) / mx, this_scale = 1 / id;
+            for (int k = 0; k < 8; ++k) {
+                for (int i = 0; i < 4; ++i) Laux[4 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[4 * k + i] - 1)), 0, kmax - 1);
+                int u = iq3_code(Laux + 4 * k);
+                on_aux[k] = iq3_map[u] >= 0;
+                if (!on_aux[k])
+                    iq3_best_neighbour(iq3_nb - iq3_map[u] - 1, xval + 4 * k, waux + 4 * k, this_scale, Laux + 4 * k);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * Laux[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                memcpy(L, Laux, 32);
+                memcpy(on, on_aux, sizeof on);
+            }
+        }
+        int n_off = 0;
+        for (int k = 0; k < 8; ++k) n_off += !on[k];
+        if (n_off > 0 && scale > 0) {  /* re-round the groups that went to a neighbour at the final scale */
+            float id = 1 / scale;
+            for (int k = 0; k < 8; ++k) {
+                if (on[k]) continue;
+                int8_t l4[4];
+                for (int i = 0; i < 4; ++i) l4[i] = (int8_t)clampi(rnd(0.5f * (id * xval[4 * k + i] - 1)), 0, kmax - 1);
+                int u = iq3_code(l4), gi = iq3_map[u];
+                if (gi < 0) gi = iq3_best_neighbour(iq3_nb - gi - 1, xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
+                for (int i = 0; i < 4; ++i) L[4 * k + i] = (int8_t)((iq3_grid[gi][i] - 1) / 2);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * L[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0) scale = sumqx / sumq2;
+        }
+        if (scale < 0) {
+            scale = -scale;
+            for (int k = 0; k < 4; ++k) signs[k] = (uint8_t)((~signs[k]) & 127);
+        }
+        for (int k = 0; k < 8; ++k) {
+            int gi = iq3_map[iq3_code(L + 4 * k)];
+            q3[8 * ib + k] = (uint8_t)(gi < 0 ? 0 : gi);  /* always on the grid here */
+        }
+        sas[ib] = (uint32_t)signs[0] | ((uint32_t)signs[1] << 7) | ((uint32_t)signs[2] << 14) | ((uint32_t)signs[3] << 21);
+        scales[ib] = scale;
+        max_scale = max_scale > scale ? max_scale : scale;
+    }
+    if (!max_scale) { memset(y, 0, 98); return; }
+    float d = max_scale / 31;
+    put_half(y, d * 1.0125f);
+    float id = 1 / d;
+    for (int ib = 0; ib < 8; ++ib) {
+        int l = clampi(rnd(0.5f * (id * scales[ib] - 1)), 0, 15);
+        sas[ib] |= (uint32_t)l << 28;
+    }
+    memcpy(y + 2, q3, 64);
+    for (int ib = 0; ib < 8; ++ib)
+        for (int b = 0; b < 4; ++b) y[66 + 4 * ib + b] = (uint8_t)(sas[ib] >> (8 * b));
+}
+
 typedef void (*block_fn)(const float *, uint8_t *, const float *);
 
 /* 1 when the n floats at x are all finite (exponent bits not all ones) */
@@ -943,10 +1148,11 @@ static int all_finite(const float *x, int64_t n) {
 
 /* Quantize nrows rows of n_per_row floats at x into y, as ggml_quantize_chunk(type_id, ...) does:
  * type_id is ggml's (10..14: Q2_K..Q6_K, 20: IQ4_NL, 23: IQ4_XS; 2, 3, 6, 7: Q4_0, Q4_1, Q5_0,
- * Q5_1 with weights only); qw, when not NULL, holds n_per_row importance weights shared by every
+ * Q5_1 with weights only; 18: IQ3_XXS); qw, when not NULL, holds n_per_row importance weights shared by every
  * row. Each block is checked for non-finite values as it is quantized. Returns 0, -1 for an
  * unknown type (or a legacy type without weights), -2 for a row length that is not a block
- * multiple, -3 when x holds a non-finite value (y is then partly written). */
+ * multiple, -3 when x holds a non-finite value (y is then partly written), -4 when a table
+ * could not be allocated. */
 int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int64_t n_per_row,
                      const float *qw, int nthreads) {
     block_fn f;
@@ -970,6 +1176,7 @@ int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int
     case 14: f = q6_k_block; ts = 210; break;
     case 20: f = iq4_nl_block; bs = 32; ts = 18; break;
     case 23: f = iq4_xs_block; ts = 136; break;
+    case 18: f = iq3_xxs_block; ts = 98; if (iq3_init()) return -4; break;
     default: return -1;
     }
     if (n_per_row <= 0 || n_per_row % bs) return -2;

@@ -180,6 +180,11 @@ def quantize_rows(x: torch.Tensor, name: str, quant_weights: Optional[torch.Tens
     blocks = kquant_search._checked(blocks.reshape(-1, bs), name).reshape(x.shape[0], k)
     if qw is None and name in _kquant_native.WEIGHTED_ONLY:
         return fmt.quantize_blocks(x.reshape(-1, bs)).reshape(x.shape[0], -1)
+    if name in _kquant_native.KERNEL_ONLY:
+        raise NotImplementedError(
+            f"{name} needs the C kernel (csrc/quant/kquants.c on a CPU tensor, HANZO_QUANT_NATIVE not 0, "
+            f"kquant_search.EMULATE_FMA False): it has no torch version" + (
+                f"; the kernel failed to build: {_kquant_native.error()}" if _kquant_native.error() else ""))
     if name not in ("IQ4_NL", "IQ4_XS"):
         if qw is None:
             return fmt.quantize_blocks(x.reshape(-1, bs)).reshape(x.shape[0], -1)
@@ -222,3 +227,4 @@ def _blocks_fn(name: str):
 
 quantize_iq4_nl = _blocks_fn("IQ4_NL")
 quantize_iq4_xs = _blocks_fn("IQ4_XS")
+quantize_iq3_xxs = _blocks_fn("IQ3_XXS")
