@@ -956,60 +956,112 @@ static const uint16_t IQ3XXS_KGRID[256] = {
     3185, 3215, 3252, 3288, 3294, 3364, 3397, 3434, 3483, 3523, 3537, 3587, 3589, 3591, 3592, 3610,
     3626, 3670, 3680, 3722, 3749, 3754, 3776, 3789, 3803, 3824, 3857, 3873, 3904, 3906, 3924, 3992,
 };
-static int8_t iq3_grid[256][4];   /* the points' values 2l + 1 */
-static int iq3_map[4096];         /* code (4 levels) -> grid index, or -1 - offset into iq3_nb */
-static uint16_t *iq3_nb;          /* per code off the grid: count, then the neighbours' indices */
-static volatile int iq3_ready;
+/* IQ3_S's 512 grid points, the same encoding */
+static const uint16_t IQ3S_KGRID[512] = {
+       0,    1,    2,    5,    7,    8,    9,   10,   12,   14,   16,   17,   21,   27,   32,   34,
+      37,   39,   41,   43,   48,   50,   57,   60,   63,   64,   65,   66,   68,   72,   73,   77,
+      80,   83,   87,   89,   93,  100,  113,  117,  122,  128,  129,  133,  135,  136,  139,  142,
+     145,  149,  152,  156,  162,  165,  167,  169,  171,  184,  187,  195,  201,  205,  208,  210,
+     217,  219,  222,  228,  232,  234,  247,  249,  253,  256,  267,  271,  273,  276,  282,  288,
+     291,  297,  312,  322,  324,  336,  338,  342,  347,  353,  357,  359,  374,  379,  390,  393,
+     395,  409,  426,  441,  448,  450,  452,  464,  466,  470,  475,  488,  492,  512,  513,  514,
+     516,  520,  521,  523,  525,  527,  528,  530,  537,  540,  542,  556,  558,  561,  570,  576,
+     577,  579,  582,  584,  588,  593,  600,  603,  609,  616,  618,  632,  638,  640,  650,  653,
+     655,  656,  660,  666,  672,  675,  685,  688,  698,  705,  708,  711,  712,  715,  721,  727,
+     728,  732,  737,  754,  760,  771,  773,  778,  780,  793,  795,  802,  806,  808,  812,  833,
+     840,  843,  849,  856,  858,  873,  912,  916,  919,  932,  934,  961,  963,  968,  970,  977,
+     989,  993, 1010, 1016, 1024, 1025, 1027, 1029, 1031, 1032, 1034, 1036, 1038, 1041, 1043, 1047,
+    1048, 1050, 1057, 1059, 1061, 1064, 1066, 1079, 1080, 1083, 1085, 1088, 1090, 1096, 1099, 1103,
+    1106, 1109, 1113, 1116, 1122, 1129, 1153, 1156, 1159, 1169, 1171, 1176, 1183, 1185, 1195, 1199,
+    1209, 1212, 1216, 1218, 1221, 1225, 1234, 1236, 1241, 1243, 1250, 1256, 1270, 1281, 1287, 1296,
+    1299, 1306, 1309, 1313, 1338, 1341, 1348, 1353, 1362, 1375, 1376, 1387, 1400, 1408, 1410, 1415,
+    1425, 1453, 1457, 1477, 1481, 1494, 1496, 1507, 1512, 1538, 1545, 1547, 1549, 1551, 1554, 1561,
+    1563, 1565, 1570, 1572, 1575, 1577, 1587, 1593, 1601, 1603, 1605, 1612, 1617, 1619, 1632, 1648,
+    1658, 1662, 1664, 1674, 1680, 1690, 1692, 1704, 1729, 1736, 1740, 1745, 1747, 1751, 1752, 1761,
+    1763, 1767, 1773, 1787, 1795, 1801, 1806, 1810, 1817, 1834, 1840, 1844, 1857, 1864, 1866, 1877,
+    1882, 1892, 1902, 1915, 1934, 1953, 1985, 1987, 2000, 2002, 2013, 2048, 2052, 2058, 2064, 2068,
+    2071, 2074, 2081, 2088, 2104, 2114, 2119, 2121, 2123, 2130, 2136, 2141, 2147, 2153, 2157, 2177,
+    2179, 2184, 2189, 2193, 2203, 2208, 2223, 2226, 2232, 2244, 2249, 2251, 2256, 2258, 2265, 2269,
+    2304, 2306, 2324, 2335, 2336, 2361, 2373, 2375, 2385, 2418, 2443, 2460, 2480, 2504, 2509, 2520,
+    2531, 2537, 2562, 2568, 2572, 2578, 2592, 2596, 2599, 2602, 2614, 2620, 2625, 2627, 2629, 2634,
+    2641, 2650, 2682, 2688, 2697, 2707, 2712, 2718, 2731, 2754, 2759, 2760, 2775, 2788, 2793, 2805,
+    2811, 2817, 2820, 2832, 2842, 2854, 2890, 2902, 2921, 2923, 2978, 3010, 3012, 3026, 3081, 3083,
+    3085, 3097, 3099, 3120, 3136, 3152, 3159, 3188, 3210, 3228, 3234, 3245, 3250, 3256, 3264, 3276,
+    3281, 3296, 3349, 3363, 3378, 3392, 3395, 3420, 3440, 3461, 3488, 3529, 3531, 3584, 3588, 3591,
+    3600, 3602, 3614, 3616, 3628, 3634, 3650, 3657, 3668, 3683, 3685, 3713, 3716, 3720, 3726, 3729,
+    3736, 3753, 3778, 3802, 3805, 3819, 3841, 3845, 3851, 3856, 3880, 3922, 3938, 3970, 3993, 4032,
+};
 
-/* The neighbours of a code off the grid: the grid points at the two smallest squared
- * distances, ordered by (distance, index) as ggml's qsort of (d2, index) pairs orders them. */
-static int iq3_init(void) {
-    if (iq3_ready) return 0;
+/* a grid's tables (ggml's iq3xs_init_impl): the points' values 2l + 1; code (4 levels, 12 bits)
+ * -> grid index, or -1 - offset into nb; per code off the grid, nb holds a count and the
+ * neighbours' indices */
+typedef struct {
+    int8_t grid[512][4];
+    int map[4096];
+    uint16_t *nb;
+    volatile int ready;
+} iq3_tables;
+static iq3_tables IQ3T[2];  /* 0: IQ3_XXS (256 points), 1: IQ3_S (512) */
+
+/* The neighbours of a code off the grid: the grid points at the nwant smallest squared
+ * distances (2 for 256 points, 3 for 512), ordered by (distance, index) as ggml's qsort of
+ * (d2, index) pairs orders them. Returns 0, or -4 when out of memory. */
+static int iq3_init(int which) {
+    iq3_tables *t = &IQ3T[which];
+    if (t->ready) return 0;
     int rc = 0;
 #pragma omp critical(hz_iq3_init)
-    if (!iq3_ready) {
-        for (int k = 0; k < 256; ++k)
-            for (int i = 0; i < 4; ++i) iq3_grid[k][i] = (int8_t)(2 * ((IQ3XXS_KGRID[k] >> (3 * i)) & 7) + 1);
-        for (int u = 0; u < 4096; ++u) iq3_map[u] = -1;
-        for (int k = 0; k < 256; ++k) iq3_map[IQ3XXS_KGRID[k]] = k;
-        size_t cap = 4096 * 16, used = 0;
+    if (!t->ready) {
+        const uint16_t *kg = which ? IQ3S_KGRID : IQ3XXS_KGRID;
+        int ng = which ? 512 : 256, nwant = which ? 3 : 2;
+        for (int k = 0; k < ng; ++k)
+            for (int i = 0; i < 4; ++i) t->grid[k][i] = (int8_t)(2 * ((kg[k] >> (3 * i)) & 7) + 1);
+        for (int u = 0; u < 4096; ++u) t->map[u] = -1;
+        for (int k = 0; k < ng; ++k) t->map[kg[k]] = k;
+        size_t cap = 4096 * 32, used = 0;
         uint16_t *nb = (uint16_t *)malloc(cap * sizeof(uint16_t));
         for (int u = 0; u < 4096 && nb; ++u) {
-            if (iq3_map[u] >= 0) continue;
-            int d2[256], best1 = 1 << 30, best2 = 1 << 30;
-            for (int j = 0; j < 256; ++j) {
+            if (t->map[u] >= 0) continue;
+            int d2[512], want[3], nd = 0;
+            for (int j = 0; j < ng; ++j) {
                 int d = 0;
                 for (int i = 0; i < 4; ++i) {
-                    int e = iq3_grid[j][i] - (2 * ((u >> (3 * i)) & 7) + 1);
+                    int e = t->grid[j][i] - (2 * ((u >> (3 * i)) & 7) + 1);
                     d += e * e;
                 }
                 d2[j] = d;
-                if (d < best1) { best2 = best1; best1 = d; }
-                else if (d > best1 && d < best2) best2 = d;
             }
-            if (used + 257 > cap) {
+            while (nd < nwant) {  /* the nwant smallest distinct distances, ascending */
+                int m = 1 << 30;
+                for (int j = 0; j < ng; ++j)
+                    if (d2[j] < m && (nd == 0 || d2[j] > want[nd - 1])) m = d2[j];
+                if (m == 1 << 30) break;
+                want[nd++] = m;
+            }
+            if (used + (size_t)ng + 1 > cap) {
                 cap *= 2;
-                uint16_t *t = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
-                if (!t) { free(nb); nb = NULL; break; }
-                nb = t;
+                uint16_t *tmp = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
+                if (!tmp) { free(nb); nb = NULL; break; }
+                nb = tmp;
             }
-            iq3_map[u] = -1 - (int)used;
+            t->map[u] = -1 - (int)used;
             size_t start = used++;
-            for (int j = 0; j < 256; ++j) if (d2[j] == best1) nb[used++] = (uint16_t)j;
-            for (int j = 0; j < 256; ++j) if (d2[j] == best2) nb[used++] = (uint16_t)j;
+            for (int q = 0; q < nd; ++q)
+                for (int j = 0; j < ng; ++j) if (d2[j] == want[q]) nb[used++] = (uint16_t)j;
             nb[start] = (uint16_t)(used - start - 1);
         }
-        if (nb) { iq3_nb = nb; iq3_ready = 1; } else rc = -4;
+        if (nb) { t->nb = nb; t->ready = 1; } else rc = -4;
     }
     return rc;
 }
 
 /* ggml's iq3_find_best_neighbour: the neighbour with the least weighted squared error */
-static int iq3_best_neighbour(const uint16_t *nb, const float *xval, const float *w, float scale, int8_t *L) {
+static int iq3_best_neighbour(const iq3_tables *t, const uint16_t *nb, const float *xval, const float *w,
+                              float scale, int8_t *L) {
     int n = nb[0], gi = -1;
     float best = FLT_MAX;
     for (int j = 1; j <= n; ++j) {
-        const int8_t *pg = iq3_grid[nb[j]];
+        const int8_t *pg = t->grid[nb[j]];
         float d2 = 0;
         for (int i = 0; i < 4; ++i) {
             float q = pg[i];
@@ -1019,13 +1071,14 @@ static int iq3_best_neighbour(const uint16_t *nb, const float *xval, const float
         if (d2 < best) { best = d2; gi = nb[j]; }
     }
     if (gi < 0) gi = nb[1];  /* all errors inf/NaN (ggml aborts there) */
-    for (int i = 0; i < 4; ++i) L[i] = (int8_t)((iq3_grid[gi][i] - 1) / 2);
+    for (int i = 0; i < 4; ++i) L[i] = (int8_t)((t->grid[gi][i] - 1) / 2);
     return gi;
 }
 
 static inline int iq3_code(const int8_t *L) { return L[0] | (L[1] << 3) | (L[2] << 6) | (L[3] << 9); }
 
 static void iq3_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
+    const iq3_tables *t = &IQ3T[0];
     const int kmax = 8;
     float scales[8], weight[32], xval[32], waux[32], max_scale = 0;
     int8_t L[32], Laux[32];
@@ -1072,9 +1125,9 @@ static void iq3_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
             for (int k = 0; k < 8; ++k) {
                 for (int i = 0; i < 4; ++i) Laux[4 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[4 * k + i] - 1)), 0, kmax - 1);
                 int u = iq3_code(Laux + 4 * k);
-                on_aux[k] = iq3_map[u] >= 0;
+                on_aux[k] = t->map[u] >= 0;
                 if (!on_aux[k])
-                    iq3_best_neighbour(iq3_nb - iq3_map[u] - 1, xval + 4 * k, waux + 4 * k, this_scale, Laux + 4 * k);
+                    iq3_best_neighbour(t, t->nb - t->map[u] - 1, xval + 4 * k, waux + 4 * k, this_scale, Laux + 4 * k);
             }
             float sumqx = 0, sumq2 = 0;
             for (int i = 0; i < 32; ++i) {
@@ -1097,9 +1150,9 @@ static void iq3_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
                 if (on[k]) continue;
                 int8_t l4[4];
                 for (int i = 0; i < 4; ++i) l4[i] = (int8_t)clampi(rnd(0.5f * (id * xval[4 * k + i] - 1)), 0, kmax - 1);
-                int u = iq3_code(l4), gi = iq3_map[u];
-                if (gi < 0) gi = iq3_best_neighbour(iq3_nb - gi - 1, xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
-                for (int i = 0; i < 4; ++i) L[4 * k + i] = (int8_t)((iq3_grid[gi][i] - 1) / 2);
+                int u = iq3_code(l4), gi = t->map[u];
+                if (gi < 0) gi = iq3_best_neighbour(t, t->nb - gi - 1, xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
+                for (int i = 0; i < 4; ++i) L[4 * k + i] = (int8_t)((t->grid[gi][i] - 1) / 2);
             }
             float sumqx = 0, sumq2 = 0;
             for (int i = 0; i < 32; ++i) {
@@ -1114,7 +1167,7 @@ static void iq3_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
             for (int k = 0; k < 4; ++k) signs[k] = (uint8_t)((~signs[k]) & 127);
         }
         for (int k = 0; k < 8; ++k) {
-            int gi = iq3_map[iq3_code(L + 4 * k)];
+            int gi = t->map[iq3_code(L + 4 * k)];
             q3[8 * ib + k] = (uint8_t)(gi < 0 ? 0 : gi);  /* always on the grid here */
         }
         sas[ib] = (uint32_t)signs[0] | ((uint32_t)signs[1] << 7) | ((uint32_t)signs[2] << 14) | ((uint32_t)signs[3] << 21);
@@ -1134,6 +1187,109 @@ static void iq3_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
         for (int b = 0; b < 4; ++b) y[66 + 4 * ib + b] = (uint8_t)(sas[ib] >> (8 * b));
 }
 
+/* IQ3_S (ggml's quantize_row_iq3_s_impl, grid size 512, groups of 32). Layout (block_iq3_s,
+ * 110 bytes): fp16 d; qs[64] low 8 bits of the grid indices; qh[8] their 9th bits (group ib, bit
+ * k); signs[32] (8 bits per 8 values); scales[4] two 4-bit group scales per byte. As in ggml, a
+ * group whose values are all zero leaves the qs and signs cursors where they are (the following
+ * groups' indices and signs move up; qh does not). */
+static void iq3_s_block(const float *xbl, uint8_t *y, const float *qw) {
+    const iq3_tables *t = &IQ3T[1];
+    const int kmax = 8;
+    float scales[8], weight[32], xval[32], waux[32], max_scale = 0;
+    int8_t L[32], Laux[32];
+    int on[8], on_aux[8];
+    uint8_t bsg[4];
+    memset(y, 0, 110);
+    uint8_t *qs = y + 2, *qh = y + 66, *signs = y + 74, *sc = y + 106;
+    float sumx2 = 0;
+    for (int i = 0; i < QK; ++i) sumx2 += xbl[i] * xbl[i];
+    float sigma2 = 2 * sumx2 / QK;
+    for (int ib = 0; ib < 8; ++ib) {
+        const float *xb = xbl + 32 * ib;
+        if (qw) for (int i = 0; i < 32; ++i) weight[i] = qw[32 * ib + i] * sqrtf(sigma2 + xb[i] * xb[i]);
+        else for (int i = 0; i < 32; ++i) weight[i] = xb[i] * xb[i];
+        for (int i = 0; i < 32; ++i) waux[i] = sqrtf(weight[i]);
+        for (int k = 0; k < 4; ++k) {
+            uint8_t sg = 0;
+            for (int i = 0; i < 8; ++i) {
+                if (xb[8 * k + i] >= 0) xval[8 * k + i] = xb[8 * k + i];
+                else { xval[8 * k + i] = -xb[8 * k + i]; sg |= (uint8_t)(1 << i); }
+            }
+            bsg[k] = sg;
+        }
+        float mx = xval[0];
+        for (int i = 1; i < 32; ++i) mx = mx > xval[i] ? mx : xval[i];
+        memset(L, 0, 32);
+        if (!mx) { scales[ib] = 0; continue; }
+        float best = 0, scale = mx / (2 * kmax - 1);
+        for (int k = 0; k < 8; ++k) on[k] = 0;
+        for (int is = -9; is <= 9; ++is) {
+            float id = (2 * kmax - 1 + is * 0.2f) / mx, this_scale = 1 / id;
+            for (int k = 0; k < 8; ++k) {
+                for (int i = 0; i < 4; ++i) Laux[4 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[4 * k + i] - 1)), 0, kmax - 1);
+                int u = iq3_code(Laux + 4 * k);
+                on_aux[k] = t->map[u] >= 0;
+                if (!on_aux[k])
+                    iq3_best_neighbour(t, t->nb - t->map[u] - 1, xval + 4 * k, waux + 4 * k, this_scale, Laux + 4 * k);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * Laux[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                memcpy(L, Laux, 32);
+                memcpy(on, on_aux, sizeof on);
+            }
+        }
+        int n_off = 0;
+        for (int k = 0; k < 8; ++k) n_off += !on[k];
+        if (n_off > 0 && scale > 0) {  /* re-round every group of 4 at the final scale */
+            float id = 1 / scale;
+            for (int k = 0; k < 8; ++k) {
+                int8_t l4[4];
+                for (int i = 0; i < 4; ++i) l4[i] = (int8_t)clampi(rnd(0.5f * (id * xval[4 * k + i] - 1)), 0, kmax - 1);
+                int u = iq3_code(l4), gi = t->map[u];
+                if (gi < 0) gi = iq3_best_neighbour(t, t->nb - gi - 1, xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
+                for (int i = 0; i < 4; ++i) L[4 * k + i] = (int8_t)((t->grid[gi][i] - 1) / 2);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * L[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0) scale = sumqx / sumq2;
+        }
+        if (scale < 0) {
+            scale = -scale;
+            for (int k = 0; k < 4; ++k) bsg[k] = (uint8_t)~bsg[k];
+        }
+        for (int k = 0; k < 8; ++k) {
+            int gi = t->map[iq3_code(L + 4 * k)];
+            if (gi < 0) gi = 0;  /* always on the grid here */
+            qs[k] = (uint8_t)(gi & 255);
+            qh[(ib * 8 + k) / 8] |= (uint8_t)((gi >> 8) << ((ib * 8 + k) % 8));
+        }
+        qs += 8;
+        memcpy(signs, bsg, 4);
+        signs += 4;
+        scales[ib] = scale;
+        max_scale = max_scale > scale ? max_scale : scale;
+    }
+    if (!max_scale) return;
+    float d = max_scale / 31;
+    put_half(y, d * 1.033f);
+    float id = 1 / d;
+    for (int ib = 0; ib < 8; ib += 2) {
+        int l1 = clampi(rnd(0.5f * (id * scales[ib] - 1)), 0, 15), l2 = clampi(rnd(0.5f * (id * scales[ib + 1] - 1)), 0, 15);
+        sc[ib / 2] = (uint8_t)(l1 | (l2 << 4));
+    }
+}
+
 typedef void (*block_fn)(const float *, uint8_t *, const float *);
 
 /* 1 when the n floats at x are all finite (exponent bits not all ones) */
@@ -1148,7 +1304,7 @@ static int all_finite(const float *x, int64_t n) {
 
 /* Quantize nrows rows of n_per_row floats at x into y, as ggml_quantize_chunk(type_id, ...) does:
  * type_id is ggml's (10..14: Q2_K..Q6_K, 20: IQ4_NL, 23: IQ4_XS; 2, 3, 6, 7: Q4_0, Q4_1, Q5_0,
- * Q5_1 with weights only; 18: IQ3_XXS); qw, when not NULL, holds n_per_row importance weights shared by every
+ * Q5_1 with weights only; 18: IQ3_XXS, 21: IQ3_S); qw, when not NULL, holds n_per_row importance weights shared by every
  * row. Each block is checked for non-finite values as it is quantized. Returns 0, -1 for an
  * unknown type (or a legacy type without weights), -2 for a row length that is not a block
  * multiple, -3 when x holds a non-finite value (y is then partly written), -4 when a table
@@ -1176,7 +1332,8 @@ int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int
     case 14: f = q6_k_block; ts = 210; break;
     case 20: f = iq4_nl_block; bs = 32; ts = 18; break;
     case 23: f = iq4_xs_block; ts = 136; break;
-    case 18: f = iq3_xxs_block; ts = 98; if (iq3_init()) return -4; break;
+    case 18: f = iq3_xxs_block; ts = 98; if (iq3_init(0)) return -4; break;
+    case 21: f = iq3_s_block; ts = 110; if (iq3_init(1)) return -4; break;
     default: return -1;
     }
     if (n_per_row <= 0 || n_per_row % bs) return -2;

@@ -228,3 +228,4 @@ def _blocks_fn(name: str):
 quantize_iq4_nl = _blocks_fn("IQ4_NL")
 quantize_iq4_xs = _blocks_fn("IQ4_XS")
 quantize_iq3_xxs = _blocks_fn("IQ3_XXS")
+quantize_iq3_s = _blocks_fn("IQ3_S")

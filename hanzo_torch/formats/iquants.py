@@ -283,7 +283,8 @@ IQ3_XXS = _iq("IQ3_XXS", _iq3_xxs_dequantize, _IQ3_XXS, {"grid": _GRID_IQ3_XXS},
 IQ1_S = _iq("IQ1_S", _iq1_s_dequantize, _IQ1_S, {"grid": _GRID_IQ1}, 32)
 IQ4_NL = _iq("IQ4_NL", _iq4_nl_dequantize, _IQ4_NL, {"kvalues": _KVALUES_IQ4}, 32, vec_dot_type="q8_0",
              quantize=iq4_search.quantize_iq4_nl, weighted=iq4_search.WEIGHTED["IQ4_NL"])
-IQ3_S = _iq("IQ3_S", _iq3_s_dequantize, _IQ3_S, {"grid": _GRID_IQ3_S}, 32)
+IQ3_S = _iq("IQ3_S", _iq3_s_dequantize, _IQ3_S, {"grid": _GRID_IQ3_S}, 32,
+            quantize=iq4_search.quantize_iq3_s, weighted=iq4_search.WEIGHTED["IQ3_S"])
 IQ2_S = _iq("IQ2_S", _iq2_s_dequantize, _IQ2_S, {"grid": _GRID_IQ2_S}, 16)
 IQ4_XS = _iq("IQ4_XS", _iq4_xs_dequantize, _IQ4_XS, {"kvalues": _KVALUES_IQ4}, 32,
              quantize=iq4_search.quantize_iq4_xs, weighted=iq4_search.WEIGHTED["IQ4_XS"])
