@@ -40,10 +40,13 @@ FTYPES: dict[str, tuple[str, int]] = {
     "Q6_K": ("Q6_K", int(gguf.LlamaFileType.MOSTLY_Q6_K)),
     "IQ4_NL": ("IQ4_NL", int(gguf.LlamaFileType.MOSTLY_IQ4_NL)),
     "IQ4_XS": ("IQ4_XS", int(gguf.LlamaFileType.MOSTLY_IQ4_XS)),
+    "IQ3_S": ("IQ3_S", int(gguf.LlamaFileType.MOSTLY_IQ3_S)),
+    "IQ3_M": ("IQ3_S", int(gguf.LlamaFileType.MOSTLY_IQ3_M)),
 }
 _DENSE = ("F32", "F16", "BF16")
 # llama-quantize's fallback when a row length is not a multiple of the block size
-_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL",
+             "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL"}
 _IQ4 = ("IQ4_NL", "IQ4_XS")
 # ggml's quantizers that take no importance weights (``quantize_q8_0`` etc. ignore them)
 _IGNORE_WEIGHTS = ("Q8_0", "MXFP4", "TQ1_0", "TQ2_0")
@@ -112,6 +115,8 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
         i_v = _layer(name, state.i_attn_v)
         if ftype in _IQ4 and state.n_gqa >= 4:
             t = "Q5_K"
+        elif (ftype == "IQ3_S" and state.n_gqa >= 4) or ftype == "IQ3_M":
+            t = "Q4_K"
         elif ftype in ("Q4_K_M", "Q5_K_M") and _more_bits(i_v, state.n_attn_v):
             t = "Q6_K"
         elif ftype == "Q4_K_S" and i_v < 4:
@@ -123,8 +128,11 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
         if state.n_expert == 8:
             t = "Q8_0"
     elif cat == "attn_output":
-        if state.n_expert == 8 and ftype in ("Q4_K_S", "Q4_K_M", *_IQ4):
-            t = "Q5_K"
+        if state.n_expert == 8:
+            if ftype in ("Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M", *_IQ4):
+                t = "Q5_K"
+        elif ftype == "IQ3_M":
+            t = "Q4_K"
     elif cat == "ffn_down":
         i_layer = _layer(name, state.i_ffn_down)
         n = state.n_layer
@@ -134,6 +142,8 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
             t = "Q5_K"
         elif ftype == "Q4_K_S" and i_layer < n // 8:
             t = "Q5_K"
+        elif ftype == "IQ3_M" and (i_layer < n // 8 or (state.n_expert == 8 and _more_bits(i_layer, n))):
+            t = "Q4_K"
         elif ftype in ("Q4_0", "Q5_0") and state.has_imatrix and i_layer < n // 8:
             t = "Q4_1" if ftype == "Q4_0" else "Q5_1"
         state.i_ffn_down += 1
