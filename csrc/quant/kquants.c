@@ -1290,6 +1290,203 @@ static void iq3_s_block(const float *xbl, uint8_t *y, const float *qw) {
     }
 }
 
+/* ---- IQ2_XXS (ggml's quantize_row_iq2_xxs_impl; importance weights required) ----
+ * Layout (block_iq2_xxs, 66 bytes): fp16 d; per group of 32 two little-endian uint32: four grid
+ * indices (one per 8 values), then four 7-bit sign masks (8th sign: the parity) and a 4-bit
+ * scale in bits 28..31. Grid points: 8 two-bit levels l (value 2l + 1), level i in bits 2i. */
+static const uint16_t IQ2XXS_KGRID[256] = {
+        0,     2,     5,     8,    10,    17,    20,    32,    34,    40,    42,    65,    68,    80,    88,    97,
+      100,   128,   130,   138,   162,   257,   260,   272,   277,   320,   388,   408,   512,   514,   546,   642,
+     1025,  1028,  1040,  1057,  1060,  1088,  1090,  1096,  1120,  1153,  1156,  1168,  1188,  1280,  1282,  1288,
+     1312,  1350,  1385,  1408,  1425,  1545,  1552,  1600,  1668,  1700,  2048,  2053,  2056,  2068,  2088,  2113,
+     2116,  2128,  2130,  2184,  2308,  2368,  2562,  2580,  4097,  4100,  4112,  4129,  4160,  4192,  4228,  4240,
+     4245,  4352,  4360,  4384,  4432,  4442,  4480,  4644,  4677,  5120,  5128,  5152,  5157,  5193,  5248,  5400,
+     5474,  5632,  5654,  6145,  6148,  6160,  6208,  6273,  6400,  6405,  6560,  6737,  8192,  8194,  8202,  8260,
+     8289,  8320,  8322,  8489,  8520,  8704,  8706,  9217,  9220,  9232,  9280,  9302,  9472,  9537,  9572,  9872,
+    10248, 10272, 10388, 10820, 16385, 16388, 16400, 16408, 16417, 16420, 16448, 16456, 16470, 16480, 16513, 16516,
+    16528, 16640, 16672, 16737, 16768, 16773, 16897, 16912, 16968, 16982, 17000, 17408, 17416, 17440, 17536, 17561,
+    17682, 17700, 17920, 18433, 18436, 18448, 18496, 18501, 18688, 18776, 18785, 18818, 19013, 19088, 20480, 20488,
+    20497, 20505, 20512, 20608, 20616, 20740, 20802, 20900, 21137, 21648, 21650, 21770, 22017, 22100, 22528, 22545,
+    22553, 22628, 22848, 23048, 24580, 24592, 24640, 24680, 24832, 24917, 25112, 25184, 25600, 25605, 25872, 25874,
+    25988, 26690, 32768, 32770, 32778, 32833, 32898, 33028, 33048, 33088, 33297, 33793, 33796, 33808, 33813, 33856,
+    33888, 34048, 34118, 34196, 34313, 34368, 34400, 34818, 35076, 35345, 36868, 36880, 36900, 36928, 37025, 37142,
+    37248, 37445, 37888, 37922, 37956, 38225, 39041, 39200, 40962, 41040, 41093, 41225, 41472, 42008, 43088, 43268,
+};
+#define IQ2_MAP 43692  /* codes of 8 levels in 0..2 fit below 2 * (4^8 - 1) / 3 + 2 */
+static int8_t iq2_grid[256][8];
+static int iq2_map[IQ2_MAP];
+static uint16_t *iq2_nb;
+static volatile int iq2_ready;
+
+/* the code -> grid index map and, for every code off the grid, the points at the 2 smallest
+ * squared distances ordered by (distance, index) (ggml's iq2xs_init_impl for IQ2_XXS) */
+static int iq2_init(void) {
+    if (iq2_ready) return 0;
+    int rc = 0;
+#pragma omp critical(hz_iq2_init)
+    if (!iq2_ready) {
+        for (int k = 0; k < 256; ++k)
+            for (int i = 0; i < 8; ++i) iq2_grid[k][i] = (int8_t)(2 * ((IQ2XXS_KGRID[k] >> (2 * i)) & 3) + 1);
+        for (int u = 0; u < IQ2_MAP; ++u) iq2_map[u] = -1;
+        for (int k = 0; k < 256; ++k) iq2_map[IQ2XXS_KGRID[k]] = k;
+        size_t cap = (size_t)IQ2_MAP * 8, used = 0;
+        uint16_t *nb = (uint16_t *)malloc(cap * sizeof(uint16_t));
+        for (int u = 0; u < IQ2_MAP && nb; ++u) {
+            if (iq2_map[u] >= 0) continue;
+            int d2[256], b1 = 1 << 30, b2 = 1 << 30;
+            for (int j = 0; j < 256; ++j) {
+                int d = 0;
+                for (int i = 0; i < 8; ++i) {
+                    int e = iq2_grid[j][i] - (2 * ((u >> (2 * i)) & 3) + 1);
+                    d += e * e;
+                }
+                d2[j] = d;
+                if (d < b1) { b2 = b1; b1 = d; }
+                else if (d > b1 && d < b2) b2 = d;
+            }
+            if (used + 257 > cap) {
+                cap *= 2;
+                uint16_t *t = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
+                if (!t) { free(nb); nb = NULL; break; }
+                nb = t;
+            }
+            iq2_map[u] = -1 - (int)used;
+            size_t start = used++;
+            for (int j = 0; j < 256; ++j) if (d2[j] == b1) nb[used++] = (uint16_t)j;
+            for (int j = 0; j < 256; ++j) if (d2[j] == b2) nb[used++] = (uint16_t)j;
+            nb[start] = (uint16_t)(used - start - 1);
+        }
+        if (nb) { iq2_nb = nb; iq2_ready = 1; } else rc = -4;
+    }
+    return rc;
+}
+
+/* ggml's iq2_find_best_neighbour */
+static int iq2_best_neighbour(const uint16_t *nb, const float *xval, const float *w, float scale, int8_t *L) {
+    int n = nb[0], gi = -1;
+    float best = FLT_MAX;
+    for (int j = 1; j <= n; ++j) {
+        const int8_t *pg = iq2_grid[nb[j]];
+        float d2 = 0;
+        for (int i = 0; i < 8; ++i) {
+            float q = pg[i];
+            float diff = scale * q - xval[i];
+            d2 += w[i] * diff * diff;
+        }
+        if (d2 < best) { best = d2; gi = nb[j]; }
+    }
+    if (gi < 0) gi = nb[1];  /* all errors inf/NaN (ggml aborts there) */
+    for (int i = 0; i < 8; ++i) L[i] = (int8_t)((iq2_grid[gi][i] - 1) / 2);
+    return gi;
+}
+
+static inline int iq2_code(const int8_t *L) {
+    int u = 0;
+    for (int i = 0; i < 8; ++i) u |= L[i] << (2 * i);
+    return u;
+}
+
+static void iq2_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
+    const int kmax = 3;
+    float scales[8], weight[32], xval[32], waux[32], max_scale = 0;
+    int8_t L[32], Laux[32];
+    uint8_t signs[4];
+    uint32_t q2[16];
+    memset(q2, 0, sizeof q2);
+    float sumx2 = 0;
+    for (int i = 0; i < QK; ++i) sumx2 += xbl[i] * xbl[i];
+    float sigma2 = sumx2 / QK;
+    for (int ib = 0; ib < 8; ++ib) {
+        const float *xb = xbl + 32 * ib;
+        for (int i = 0; i < 32; ++i) weight[i] = qw[32 * ib + i] * sqrtf(sigma2 + xb[i] * xb[i]);
+        for (int i = 0; i < 32; ++i) waux[i] = sqrtf(weight[i]);
+        for (int k = 0; k < 4; ++k) {
+            int nflip = 0;
+            uint8_t sg = 0;
+            for (int i = 0; i < 8; ++i) {
+                if (xb[8 * k + i] >= 0) xval[8 * k + i] = xb[8 * k + i];
+                else { xval[8 * k + i] = -xb[8 * k + i]; ++nflip; sg |= (uint8_t)(1 << i); }
+            }
+            if (nflip % 2) {
+                int imin = 0;
+                float mn = weight[8 * k] * xb[8 * k] * xb[8 * k];
+                for (int i = 1; i < 8; ++i) {
+                    float ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
+                    if (ax < mn) { mn = ax; imin = i; }
+                }
+                xval[8 * k + imin] = -xval[8 * k + imin];
+                sg ^= (uint8_t)(1 << imin);
+            }
+            signs[k] = sg & 127;
+        }
+        float mx = xval[0];
+        for (int i = 1; i < 32; ++i) mx = mx > xval[i] ? mx : xval[i];
+        if (mx < EPS) { scales[ib] = 0; continue; }
+        float scale = qp(32, kmax + 1, xval, (uint8_t *)L, weight), eff_max = scale * kmax;
+        if (eff_max <= 0) { scales[ib] = 0; continue; }
+        float best = 0;
+        for (int is = -6; is <= 6; ++is) {
+            float id = (2 * kmax - 1 + is * 0.1f) / eff_max, this_scale = 1 / id;
+            for (int k = 0; k < 4; ++k) {
+                for (int i = 0; i < 8; ++i) Laux[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
+                int u = iq2_code(Laux + 8 * k);
+                if (iq2_map[u] < 0)
+                    iq2_best_neighbour(iq2_nb - iq2_map[u] - 1, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * Laux[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                memcpy(L, Laux, 32);
+            }
+        }
+        if (scale > 0) {  /* every group re-rounded at the final scale */
+            float id = 1 / scale;
+            for (int k = 0; k < 4; ++k) {
+                int8_t l8[8];
+                for (int i = 0; i < 8; ++i) l8[i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
+                int gi = iq2_map[iq2_code(l8)];
+                if (gi < 0) gi = iq2_best_neighbour(iq2_nb - gi - 1, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
+                for (int i = 0; i < 8; ++i) L[8 * k + i] = (int8_t)((iq2_grid[gi][i] - 1) / 2);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * L[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0) scale = sumqx / sumq2;
+        }
+        if (scale < 0) {
+            scale = -scale;
+            for (int k = 0; k < 4; ++k) signs[k] = (uint8_t)((~signs[k]) & 127);
+        }
+        for (int k = 0; k < 4; ++k) {
+            int gi = iq2_map[iq2_code(L + 8 * k)];
+            if (gi < 0) gi = 0;  /* always on the grid here */
+            q2[2 * ib] |= (uint32_t)gi << (8 * k);
+            q2[2 * ib + 1] |= (uint32_t)signs[k] << (7 * k);
+        }
+        scales[ib] = scale;
+        max_scale = max_scale > scale ? max_scale : scale;
+    }
+    if (!max_scale) { memset(y, 0, 66); return; }
+    float d = max_scale / 31;
+    put_half(y, d);
+    float id = 1 / d;
+    for (int ib = 0; ib < 8; ++ib) {
+        int l = clampi(rnd(0.5f * (id * scales[ib] - 1)), 0, 15);
+        q2[2 * ib + 1] |= (uint32_t)l << 28;
+    }
+    for (int j = 0; j < 16; ++j)
+        for (int b = 0; b < 4; ++b) y[2 + 4 * j + b] = (uint8_t)(q2[j] >> (8 * b));
+}
+
 typedef void (*block_fn)(const float *, uint8_t *, const float *);
 
 /* 1 when the n floats at x are all finite (exponent bits not all ones) */
@@ -1304,11 +1501,11 @@ static int all_finite(const float *x, int64_t n) {
 
 /* Quantize nrows rows of n_per_row floats at x into y, as ggml_quantize_chunk(type_id, ...) does:
  * type_id is ggml's (10..14: Q2_K..Q6_K, 20: IQ4_NL, 23: IQ4_XS; 2, 3, 6, 7: Q4_0, Q4_1, Q5_0,
- * Q5_1 with weights only; 18: IQ3_XXS, 21: IQ3_S); qw, when not NULL, holds n_per_row importance weights shared by every
+ * Q5_1 with weights only; 18: IQ3_XXS, 21: IQ3_S; 16: IQ2_XXS, weights required); qw, when not NULL, holds n_per_row importance weights shared by every
  * row. Each block is checked for non-finite values as it is quantized. Returns 0, -1 for an
  * unknown type (or a legacy type without weights), -2 for a row length that is not a block
  * multiple, -3 when x holds a non-finite value (y is then partly written), -4 when a table
- * could not be allocated. */
+ * could not be allocated, -5 for a type that needs weights called without. */
 int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int64_t n_per_row,
                      const float *qw, int nthreads) {
     block_fn f;
@@ -1334,6 +1531,7 @@ int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int
     case 23: f = iq4_xs_block; ts = 136; break;
     case 18: f = iq3_xxs_block; ts = 98; if (iq3_init(0)) return -4; break;
     case 21: f = iq3_s_block; ts = 110; if (iq3_init(1)) return -4; break;
+    case 16: if (!qw) return -5; f = iq2_xxs_block; ts = 66; if (iq2_init()) return -4; break;
     default: return -1;
     }
     if (n_per_row <= 0 || n_per_row % bs) return -2;

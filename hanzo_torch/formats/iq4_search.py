@@ -170,6 +170,8 @@ def quantize_rows(x: torch.Tensor, name: str, quant_weights: Optional[torch.Tens
     bs = fmt.block_size
     blocks = check_values(x.reshape(-1, bs), name).reshape(x.shape[0], k)
     qw = None if quant_weights is None else _checked_weights(quant_weights, k, name).to(x.device)
+    if qw is None and name in _kquant_native.REQUIRES_WEIGHTS:
+        raise ValueError(f"{name} needs importance weights (quant_weights, an imatrix), as ggml's quantizer does")
     if not x.shape[0]:
         return torch.empty(0, fmt.row_bytes(k), dtype=torch.uint8, device=x.device)
     if x.device.type == "cpu" and not kquant_search.EMULATE_FMA and not (
@@ -229,3 +231,4 @@ quantize_iq4_nl = _blocks_fn("IQ4_NL")
 quantize_iq4_xs = _blocks_fn("IQ4_XS")
 quantize_iq3_xxs = _blocks_fn("IQ3_XXS")
 quantize_iq3_s = _blocks_fn("IQ3_S")
+quantize_iq2_xxs = _blocks_fn("IQ2_XXS")  # raises: IQ2_XXS needs weights
