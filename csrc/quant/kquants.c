@@ -1290,7 +1290,7 @@ static void iq3_s_block(const float *xbl, uint8_t *y, const float *qw) {
     }
 }
 
-/* ---- IQ2_XXS (ggml's quantize_row_iq2_xxs_impl; importance weights required) ----
+/* ---- IQ2_XXS and IQ2_XS (ggml's quantize_row_iq2_xxs_impl / _xs_impl; weights required) ----
  * Layout (block_iq2_xxs, 66 bytes): fp16 d; per group of 32 two little-endian uint32: four grid
  * indices (one per 8 values), then four 7-bit sign masks (8th sign: the parity) and a 4-bit
  * scale in bits 28..31. Grid points: 8 two-bit levels l (value 2l + 1), level i in bits 2i. */
@@ -1313,60 +1313,102 @@ static const uint16_t IQ2XXS_KGRID[256] = {
     37248, 37445, 37888, 37922, 37956, 38225, 39041, 39200, 40962, 41040, 41093, 41225, 41472, 42008, 43088, 43268,
 };
 #define IQ2_MAP 43692  /* codes of 8 levels in 0..2 fit below 2 * (4^8 - 1) / 3 + 2 */
-static int8_t iq2_grid[256][8];
-static int iq2_map[IQ2_MAP];
-static uint16_t *iq2_nb;
-static volatile int iq2_ready;
+/* IQ2_XS's 512 grid points, the same encoding */
+static const uint16_t IQ2XS_KGRID[512] = {
+        0,     2,     5,     8,    10,    17,    20,    22,    25,    32,    34,    37,    40,    65,    68,    70,
+       73,    80,    82,    85,    88,    97,   100,   128,   130,   133,   136,   145,   148,   153,   160,   257,
+      260,   262,   265,   272,   274,   277,   280,   282,   289,   292,   320,   322,   325,   328,   337,   340,
+      352,   360,   385,   388,   400,   512,   514,   517,   520,   529,   532,   544,   577,   580,   592,   597,
+      640,   650,  1025,  1028,  1030,  1033,  1040,  1042,  1045,  1048,  1057,  1060,  1088,  1090,  1093,  1096,
+     1105,  1108,  1110,  1120,  1153,  1156,  1168,  1280,  1282,  1285,  1288,  1297,  1300,  1312,  1345,  1348,
+     1360,  1377,  1408,  1537,  1540,  1552,  1574,  1600,  1602,  1668,  2048,  2050,  2053,  2056,  2058,  2065,
+     2068,  2080,  2085,  2113,  2116,  2128,  2136,  2176,  2208,  2218,  2305,  2308,  2320,  2368,  2433,  2441,
+     2560,  2592,  2600,  2710,  2720,  4097,  4100,  4102,  4105,  4112,  4114,  4117,  4120,  4129,  4132,  4160,
+     4162,  4165,  4168,  4177,  4180,  4192,  4202,  4225,  4228,  4240,  4352,  4354,  4357,  4360,  4369,  4372,
+     4384,  4417,  4420,  4432,  4480,  4500,  4502,  4609,  4612,  4614,  4624,  4672,  4704,  5120,  5122,  5125,
+     5128,  5137,  5140,  5152,  5185,  5188,  5193,  5200,  5220,  5248,  5377,  5380,  5392,  5440,  5632,  5652,
+     5705,  6145,  6148,  6160,  6162,  6208,  6228,  6278,  6400,  6405,  6502,  6737,  6825,  8192,  8194,  8197,
+     8200,  8202,  8209,  8212,  8224,  8257,  8260,  8272,  8320,  8352,  8449,  8452,  8464,  8512,  8520,  8549,
+     8704,  8738,  8832,  8872,  9217,  9220,  9232,  9257,  9280,  9472,  9537,  9554,  9625,  9729,  9754,  9894,
+    10240, 10248, 10250, 10272, 10325, 10376, 10402, 10600, 10640, 10760, 10784, 10882, 10888, 10890, 16385, 16388,
+    16390, 16393, 16400, 16402, 16405, 16408, 16417, 16420, 16448, 16450, 16453, 16456, 16458, 16465, 16468, 16480,
+    16485, 16513, 16516, 16528, 16640, 16642, 16645, 16648, 16657, 16660, 16672, 16705, 16708, 16720, 16768, 16773,
+    16802, 16897, 16900, 16912, 16914, 16937, 16960, 17408, 17410, 17413, 17416, 17425, 17428, 17433, 17440, 17473,
+    17476, 17488, 17536, 17556, 17665, 17668, 17680, 17700, 17728, 17818, 17920, 17930, 17988, 18000, 18433, 18436,
+    18448, 18496, 18501, 18516, 18530, 18688, 18705, 18756, 18768, 18793, 18948, 20480, 20482, 20485, 20488, 20497,
+    20500, 20512, 20520, 20545, 20548, 20560, 20608, 20737, 20740, 20752, 20757, 20800, 20802, 20992, 21060, 21162,
+    21505, 21508, 21520, 21537, 21568, 21600, 21633, 21665, 21760, 21768, 21888, 21896, 22049, 22120, 22177, 22528,
+    22548, 22593, 22608, 22681, 22810, 22848, 22850, 23173, 24577, 24580, 24592, 24640, 24660, 24674, 24710, 24745,
+    24832, 25124, 25162, 25234, 25600, 25622, 25872, 25920, 25925, 26020, 26625, 26730, 26917, 27142, 27220, 27234,
+    32768, 32770, 32773, 32776, 32785, 32788, 32800, 32810, 32833, 32836, 32848, 32896, 32898, 32936, 32938, 33025,
+    33028, 33030, 33040, 33088, 33105, 33113, 33280, 33312, 33408, 33410, 33440, 33448, 33793, 33796, 33808, 33810,
+    33813, 33856, 33888, 33929, 34048, 34116, 34213, 34328, 34410, 34816, 34824, 34853, 34906, 34944, 34946, 34984,
+    35078, 35362, 35456, 35464, 35478, 35496, 36865, 36868, 36880, 36928, 36950, 36996, 37120, 37154, 37220, 37462,
+    37513, 37888, 37893, 37956, 37968, 37976, 38185, 38288, 38290, 38465, 38993, 39078, 39241, 39445, 39520, 40960,
+    40962, 40968, 40970, 40992, 41002, 41120, 41297, 41305, 41382, 41472, 41474, 41480, 41514, 41600, 41632, 42048,
+    42133, 42597, 42648, 43018, 43040, 43042, 43048, 43168, 43176, 43268, 43396, 43398, 43560, 43562, 43665, 43690,
+};
+typedef struct {
+    int8_t grid[512][8];
+    int map[IQ2_MAP];
+    uint16_t *nb;
+    volatile int ready;
+} iq2_tables;
+static iq2_tables IQ2T[2];  /* 0: IQ2_XXS (256 points), 1: IQ2_XS (512) */
 
 /* the code -> grid index map and, for every code off the grid, the points at the 2 smallest
- * squared distances ordered by (distance, index) (ggml's iq2xs_init_impl for IQ2_XXS) */
-static int iq2_init(void) {
-    if (iq2_ready) return 0;
+ * squared distances ordered by (distance, index) (ggml's iq2xs_init_impl for these two) */
+static int iq2_init(int which) {
+    iq2_tables *t = &IQ2T[which];
+    if (t->ready) return 0;
     int rc = 0;
 #pragma omp critical(hz_iq2_init)
-    if (!iq2_ready) {
-        for (int k = 0; k < 256; ++k)
-            for (int i = 0; i < 8; ++i) iq2_grid[k][i] = (int8_t)(2 * ((IQ2XXS_KGRID[k] >> (2 * i)) & 3) + 1);
-        for (int u = 0; u < IQ2_MAP; ++u) iq2_map[u] = -1;
-        for (int k = 0; k < 256; ++k) iq2_map[IQ2XXS_KGRID[k]] = k;
+    if (!t->ready) {
+        const uint16_t *kg = which ? IQ2XS_KGRID : IQ2XXS_KGRID;
+        int ng = which ? 512 : 256;
+        for (int k = 0; k < ng; ++k)
+            for (int i = 0; i < 8; ++i) t->grid[k][i] = (int8_t)(2 * ((kg[k] >> (2 * i)) & 3) + 1);
+        for (int u = 0; u < IQ2_MAP; ++u) t->map[u] = -1;
+        for (int k = 0; k < ng; ++k) t->map[kg[k]] = k;
         size_t cap = (size_t)IQ2_MAP * 8, used = 0;
         uint16_t *nb = (uint16_t *)malloc(cap * sizeof(uint16_t));
         for (int u = 0; u < IQ2_MAP && nb; ++u) {
-            if (iq2_map[u] >= 0) continue;
-            int d2[256], b1 = 1 << 30, b2 = 1 << 30;
-            for (int j = 0; j < 256; ++j) {
+            if (t->map[u] >= 0) continue;
+            int d2[512], b1 = 1 << 30, b2 = 1 << 30;
+            for (int j = 0; j < ng; ++j) {
                 int d = 0;
                 for (int i = 0; i < 8; ++i) {
-                    int e = iq2_grid[j][i] - (2 * ((u >> (2 * i)) & 3) + 1);
+                    int e = t->grid[j][i] - (2 * ((u >> (2 * i)) & 3) + 1);
                     d += e * e;
                 }
                 d2[j] = d;
                 if (d < b1) { b2 = b1; b1 = d; }
                 else if (d > b1 && d < b2) b2 = d;
             }
-            if (used + 257 > cap) {
+            if (used + (size_t)ng + 1 > cap) {
                 cap *= 2;
-                uint16_t *t = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
-                if (!t) { free(nb); nb = NULL; break; }
-                nb = t;
+                uint16_t *tmp = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
+                if (!tmp) { free(nb); nb = NULL; break; }
+                nb = tmp;
             }
-            iq2_map[u] = -1 - (int)used;
+            t->map[u] = -1 - (int)used;
             size_t start = used++;
-            for (int j = 0; j < 256; ++j) if (d2[j] == b1) nb[used++] = (uint16_t)j;
-            for (int j = 0; j < 256; ++j) if (d2[j] == b2) nb[used++] = (uint16_t)j;
+            for (int j = 0; j < ng; ++j) if (d2[j] == b1) nb[used++] = (uint16_t)j;
+            for (int j = 0; j < ng; ++j) if (d2[j] == b2) nb[used++] = (uint16_t)j;
             nb[start] = (uint16_t)(used - start - 1);
         }
-        if (nb) { iq2_nb = nb; iq2_ready = 1; } else rc = -4;
+        if (nb) { t->nb = nb; t->ready = 1; } else rc = -4;
     }
     return rc;
 }
 
 /* ggml's iq2_find_best_neighbour */
-static int iq2_best_neighbour(const uint16_t *nb, const float *xval, const float *w, float scale, int8_t *L) {
+static int iq2_best_neighbour(const iq2_tables *t, const uint16_t *nb, const float *xval, const float *w,
+                              float scale, int8_t *L) {
     int n = nb[0], gi = -1;
     float best = FLT_MAX;
     for (int j = 1; j <= n; ++j) {
-        const int8_t *pg = iq2_grid[nb[j]];
+        const int8_t *pg = t->grid[nb[j]];
         float d2 = 0;
         for (int i = 0; i < 8; ++i) {
             float q = pg[i];
@@ -1376,7 +1418,7 @@ static int iq2_best_neighbour(const uint16_t *nb, const float *xval, const float
         if (d2 < best) { best = d2; gi = nb[j]; }
     }
     if (gi < 0) gi = nb[1];  /* all errors inf/NaN (ggml aborts there) */
-    for (int i = 0; i < 8; ++i) L[i] = (int8_t)((iq2_grid[gi][i] - 1) / 2);
+    for (int i = 0; i < 8; ++i) L[i] = (int8_t)((t->grid[gi][i] - 1) / 2);
     return gi;
 }
 
@@ -1387,6 +1429,7 @@ static inline int iq2_code(const int8_t *L) {
 }
 
 static void iq2_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
+    const iq2_tables *t = &IQ2T[0];
     const int kmax = 3;
     float scales[8], weight[32], xval[32], waux[32], max_scale = 0;
     int8_t L[32], Laux[32];
@@ -1430,8 +1473,8 @@ static void iq2_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
             for (int k = 0; k < 4; ++k) {
                 for (int i = 0; i < 8; ++i) Laux[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
                 int u = iq2_code(Laux + 8 * k);
-                if (iq2_map[u] < 0)
-                    iq2_best_neighbour(iq2_nb - iq2_map[u] - 1, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
+                if (t->map[u] < 0)
+                    iq2_best_neighbour(t, t->nb - t->map[u] - 1, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
             }
             float sumqx = 0, sumq2 = 0;
             for (int i = 0; i < 32; ++i) {
@@ -1450,9 +1493,9 @@ static void iq2_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
             for (int k = 0; k < 4; ++k) {
                 int8_t l8[8];
                 for (int i = 0; i < 8; ++i) l8[i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
-                int gi = iq2_map[iq2_code(l8)];
-                if (gi < 0) gi = iq2_best_neighbour(iq2_nb - gi - 1, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
-                for (int i = 0; i < 8; ++i) L[8 * k + i] = (int8_t)((iq2_grid[gi][i] - 1) / 2);
+                int gi = t->map[iq2_code(l8)];
+                if (gi < 0) gi = iq2_best_neighbour(t, t->nb - gi - 1, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
+                for (int i = 0; i < 8; ++i) L[8 * k + i] = (int8_t)((t->grid[gi][i] - 1) / 2);
             }
             float sumqx = 0, sumq2 = 0;
             for (int i = 0; i < 32; ++i) {
@@ -1467,7 +1510,7 @@ static void iq2_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
             for (int k = 0; k < 4; ++k) signs[k] = (uint8_t)((~signs[k]) & 127);
         }
         for (int k = 0; k < 4; ++k) {
-            int gi = iq2_map[iq2_code(L + 8 * k)];
+            int gi = t->map[iq2_code(L + 8 * k)];
             if (gi < 0) gi = 0;  /* always on the grid here */
             q2[2 * ib] |= (uint32_t)gi << (8 * k);
             q2[2 * ib + 1] |= (uint32_t)signs[k] << (7 * k);
@@ -1487,6 +1530,112 @@ static void iq2_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
         for (int b = 0; b < 4; ++b) y[2 + 4 * j + b] = (uint8_t)(q2[j] >> (8 * b));
 }
 
+/* IQ2_XS (ggml's quantize_row_iq2_xs_impl; importance weights required). Layout (block_iq2_xs,
+ * 74 bytes): fp16 d; 32 little-endian uint16, one per 8 values: grid index (9 bits) | 7 sign
+ * bits << 9; 8 bytes of 4-bit scales, one per 16 values (even group: low nibble). */
+static void iq2_xs_block(const float *xbl, uint8_t *y, const float *qw) {
+    const iq2_tables *t = &IQ2T[1];
+    const int kmax = 3;
+    float scales[16], weight[16], xval[16], waux[16], max_scale = 0;
+    int8_t L[16], Laux[16];
+    int on[2], on_aux[2];
+    uint8_t signs[2];
+    uint16_t q2[32];
+    memset(q2, 0, sizeof q2);
+    memset(y, 0, 74);
+    float sumx2 = 0;
+    for (int i = 0; i < QK; ++i) sumx2 += xbl[i] * xbl[i];
+    float sigma2 = sumx2 / QK;
+    for (int ib = 0; ib < 16; ++ib) {
+        const float *xb = xbl + 16 * ib;
+        for (int i = 0; i < 16; ++i) weight[i] = qw[16 * ib + i] * sqrtf(sigma2 + xb[i] * xb[i]);
+        for (int i = 0; i < 16; ++i) waux[i] = sqrtf(weight[i]);
+        for (int k = 0; k < 2; ++k) {
+            int nflip = 0;
+            uint8_t sg = 0;
+            for (int i = 0; i < 8; ++i) {
+                if (xb[8 * k + i] >= 0) xval[8 * k + i] = xb[8 * k + i];
+                else { xval[8 * k + i] = -xb[8 * k + i]; ++nflip; sg |= (uint8_t)(1 << i); }
+            }
+            if (nflip % 2) {
+                int imin = 0;
+                float mn = weight[8 * k] * xb[8 * k] * xb[8 * k];
+                for (int i = 1; i < 8; ++i) {
+                    float ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
+                    if (ax < mn) { mn = ax; imin = i; }
+                }
+                xval[8 * k + imin] = -xval[8 * k + imin];
+                sg ^= (uint8_t)(1 << imin);
+            }
+            signs[k] = sg & 127;
+        }
+        float mx = xval[0];
+        for (int i = 1; i < 16; ++i) mx = mx > xval[i] ? mx : xval[i];
+        memset(L, 0, 16);
+        if (mx < EPS) { scales[ib] = 0; continue; }
+        float best = 0, scale = mx / (2 * kmax - 1);
+        on[0] = on[1] = 1;
+        for (int is = -9; is <= 9; ++is) {
+            float id = (2 * kmax - 1 + is * 0.1f) / mx, this_scale = 1 / id;
+            for (int k = 0; k < 2; ++k) {
+                for (int i = 0; i < 8; ++i) Laux[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
+                int u = iq2_code(Laux + 8 * k);
+                on_aux[k] = t->map[u] >= 0;
+                if (!on_aux[k])
+                    iq2_best_neighbour(t, t->nb - t->map[u] - 1, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 16; ++i) {
+                float w = weight[i], q = 2 * Laux[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                memcpy(L, Laux, 16);
+                on[0] = on_aux[0]; on[1] = on_aux[1];
+            }
+        }
+        if ((!on[0] || !on[1]) && scale > 0) {  /* the off-grid groups re-rounded at the final scale */
+            float id = 1 / scale;
+            for (int k = 0; k < 2; ++k) {
+                if (on[k]) continue;
+                for (int i = 0; i < 8; ++i) L[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
+                int gi = t->map[iq2_code(L + 8 * k)];
+                if (gi < 0) iq2_best_neighbour(t, t->nb - gi - 1, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 16; ++i) {
+                float w = weight[i], q = 2 * L[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0) scale = sumqx / sumq2;
+        }
+        if (scale < 0) {
+            scale = -scale;
+            for (int k = 0; k < 2; ++k) signs[k] = (uint8_t)((~signs[k]) & 127);
+        }
+        for (int k = 0; k < 2; ++k) {
+            int gi = t->map[iq2_code(L + 8 * k)];
+            if (gi < 0) gi = 0;  /* always on the grid here */
+            q2[2 * ib + k] = (uint16_t)(gi | (signs[k] << 9));
+        }
+        scales[ib] = scale;
+        max_scale = max_scale > scale ? max_scale : scale;
+    }
+    if (!max_scale) return;
+    float d = max_scale / 31;
+    put_half(y, d);
+    float id = 1 / d;
+    for (int j = 0; j < 32; ++j) { y[2 + 2 * j] = (uint8_t)(q2[j] & 0xff); y[3 + 2 * j] = (uint8_t)(q2[j] >> 8); }
+    for (int ib = 0; ib < 16; ++ib) {
+        int l = clampi(rnd(0.5f * (id * scales[ib] - 1)), 0, 15);
+        y[66 + ib / 2] |= (uint8_t)(ib % 2 ? l << 4 : l);
+    }
+}
+
 typedef void (*block_fn)(const float *, uint8_t *, const float *);
 
 /* 1 when the n floats at x are all finite (exponent bits not all ones) */
@@ -1501,7 +1650,7 @@ static int all_finite(const float *x, int64_t n) {
 
 /* Quantize nrows rows of n_per_row floats at x into y, as ggml_quantize_chunk(type_id, ...) does:
  * type_id is ggml's (10..14: Q2_K..Q6_K, 20: IQ4_NL, 23: IQ4_XS; 2, 3, 6, 7: Q4_0, Q4_1, Q5_0,
- * Q5_1 with weights only; 18: IQ3_XXS, 21: IQ3_S; 16: IQ2_XXS, weights required); qw, when not NULL, holds n_per_row importance weights shared by every
+ * Q5_1 with weights only; 18: IQ3_XXS, 21: IQ3_S; 16, 17: IQ2_XXS, IQ2_XS, weights required); qw, when not NULL, holds n_per_row importance weights shared by every
  * row. Each block is checked for non-finite values as it is quantized. Returns 0, -1 for an
  * unknown type (or a legacy type without weights), -2 for a row length that is not a block
  * multiple, -3 when x holds a non-finite value (y is then partly written), -4 when a table
@@ -1531,7 +1680,8 @@ int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int
     case 23: f = iq4_xs_block; ts = 136; break;
     case 18: f = iq3_xxs_block; ts = 98; if (iq3_init(0)) return -4; break;
     case 21: f = iq3_s_block; ts = 110; if (iq3_init(1)) return -4; break;
-    case 16: if (!qw) return -5; f = iq2_xxs_block; ts = 66; if (iq2_init()) return -4; break;
+    case 16: if (!qw) return -5; f = iq2_xxs_block; ts = 66; if (iq2_init(0)) return -4; break;
+    case 17: if (!qw) return -5; f = iq2_xs_block; ts = 74; if (iq2_init(1)) return -4; break;
     default: return -1;
     }
     if (n_per_row <= 0 || n_per_row % bs) return -2;

@@ -278,7 +278,8 @@ def _iq(name, fn, layout, tables, group_len, vec_dot_type="q8_K", quantize=None,
 
 IQ2_XXS = _iq("IQ2_XXS", _iq2_xxs_dequantize, _IQ2_XXS, {"grid": _GRID_IQ2_XXS}, 32,
               quantize=iq4_search.quantize_iq2_xxs, weighted=iq4_search.WEIGHTED["IQ2_XXS"])
-IQ2_XS = _iq("IQ2_XS", _iq2_xs_dequantize, _IQ2_XS, {"grid": _GRID_IQ2_XS}, 16)
+IQ2_XS = _iq("IQ2_XS", _iq2_xs_dequantize, _IQ2_XS, {"grid": _GRID_IQ2_XS}, 16,
+             quantize=iq4_search.quantize_iq2_xs, weighted=iq4_search.WEIGHTED["IQ2_XS"])
 IQ3_XXS = _iq("IQ3_XXS", _iq3_xxs_dequantize, _IQ3_XXS, {"grid": _GRID_IQ3_XXS}, 32,
               quantize=iq4_search.quantize_iq3_xxs, weighted=iq4_search.WEIGHTED["IQ3_XXS"])
 IQ1_S = _iq("IQ1_S", _iq1_s_dequantize, _IQ1_S, {"grid": _GRID_IQ1}, 32)
