@@ -55,6 +55,7 @@ except ImportError:  # pragma: no cover - older/newer gguf layouts
     _SUPPORTED_VERSIONS = [2, 3]
 
 __all__ = [
+    "DeferredTensor",
     "GGUFError",
     "GGUFFile",
     "GGUFMetadata",
@@ -833,6 +834,54 @@ def _tensor_entry(name: str, t: Any) -> tuple[np.ndarray, GGMLQuantizationType]:
     return packed.detach().cpu().contiguous().numpy(), qt
 
 
+class DeferredTensor:
+    """A tensor :func:`save_gguf` asks for only when it writes it, so a file is written one tensor
+    at a time (memory bounded by the largest tensor).
+
+    Args:
+        shape: torch-order logical shape (elements, not bytes).
+        qtype: ggml type name of what ``produce`` returns (``"Q4_K"``, ``"F16"``, ...).
+        produce: called once, while writing; returns a :class:`~hanzo_torch.GGUFTensor` or a
+            float32/float16/bfloat16 tensor of that shape and type. A mismatch raises ValueError
+            (the partial output is removed).
+    """
+
+    def __init__(self, shape, qtype: str, produce):
+        self.shape = tuple(int(d) for d in shape)
+        self.qtype = str(qtype).upper()
+        self.produce = produce
+
+
+class _DeferredBytes:
+    """What GGUFWriter writes for a DeferredTensor: ``nbytes`` known up front, the bytes made in
+    ``tofile``."""
+
+    def __init__(self, name: str, d: DeferredTensor, nbytes: int):
+        self.name, self.d, self.nbytes = name, d, nbytes
+
+    def tofile(self, fout) -> None:
+        data, qt = _tensor_entry(self.name, self.d.produce())
+        if qt.name != self.d.qtype or data.nbytes != self.nbytes:
+            raise ValueError(f"tensor {self.name!r}: deferred as {self.d.qtype} {self.d.shape} ({self.nbytes} bytes), "
+                             f"produced {qt.name} with {data.nbytes} bytes")
+        data.tofile(fout)
+
+
+def _deferred_entry(name: str, d: DeferredTensor):
+    try:
+        qt = GGMLQuantizationType[d.qtype]
+    except KeyError:
+        raise ValueError(f"tensor {name!r}: unknown ggml type {d.qtype!r}") from None
+    shape = d.shape
+    if not 1 <= len(shape) <= GGML_MAX_DIMS:
+        raise ValueError(f"tensor {name!r}: GGUF tensors have 1 to {GGML_MAX_DIMS} dims, got shape {shape}")
+    block, size = GGML_QUANT_SIZES[qt]
+    if shape[-1] % block:
+        raise ValueError(f"tensor {name!r}: row length {shape[-1]} is not a multiple of the {qt.name} block size {block}")
+    byte_shape = (*shape[:-1], shape[-1] // block * size)
+    return byte_shape, qt, _DeferredBytes(name, d, int(np.prod(byte_shape)))
+
+
 def save_gguf(
     path: PathLike,
     tensors: Mapping,
@@ -848,7 +897,8 @@ def save_gguf(
             leaves a partial file at ``path``.
         tensors: ``name -> tensor`` in file order. A :class:`~hanzo_torch.GGUFTensor` is written
             as its packed bytes with its ggml type (byte for byte); a plain float32/float16/
-            bfloat16 tensor (or numpy array) as F32/F16/BF16. Shapes are in torch order.
+            bfloat16 tensor (or numpy array) as F32/F16/BF16; a :class:`DeferredTensor` is made
+            when its turn to be written comes. Shapes are in torch order.
         metadata: ``key -> value``. Types: bool -> BOOL; int -> UINT32 if it fits, else INT32,
             UINT64, INT64; float -> FLOAT32; str -> STRING; list/tuple/1-D tensor -> ARRAY
             (element type inferred the same way, or from the tensor's dtype). A
@@ -891,7 +941,8 @@ def save_gguf(
         if key == "general.architecture":
             continue
         entries.append((key, *_metadata_entry(key, value, types.get(key))))
-    prepared = [(name, *_tensor_entry(name, t)) for name, t in tensors.items()]
+    prepared = [(name, *(_deferred_entry(name, t) if isinstance(t, DeferredTensor) else _tensor_entry(name, t)))
+                for name, t in tensors.items()]
 
     # GGUFWriter writes general.architecture first unless arch is "" (then it writes none).
     writer = gguf.GGUFWriter(None, arch if arch is not None else "")
@@ -902,8 +953,12 @@ def save_gguf(
             writer.add_custom_alignment(value)  # ValueError unless a power of two
         else:
             writer.add_key_value(key, value, vtype, sub_type=elem)
-    for name, data, qt in prepared:
-        writer.add_tensor(name, data, raw_dtype=qt)
+    for name, data, qt, *deferred in prepared:
+        if deferred:  # data is the byte shape; GGUFWriter calls .tofile on what .tensor holds
+            writer.add_tensor_info(name, data, np.dtype(np.uint8), deferred[0].nbytes, raw_dtype=qt)
+            writer.tensors[-1][name].tensor = deferred[0]
+        else:
+            writer.add_tensor(name, data, raw_dtype=qt)
 
     tmp = path + ".tmp"
     try:

@@ -40,10 +40,13 @@ FTYPES: dict[str, tuple[str, int]] = {
     "Q6_K": ("Q6_K", int(gguf.LlamaFileType.MOSTLY_Q6_K)),
     "IQ4_NL": ("IQ4_NL", int(gguf.LlamaFileType.MOSTLY_IQ4_NL)),
     "IQ4_XS": ("IQ4_XS", int(gguf.LlamaFileType.MOSTLY_IQ4_XS)),
+    "IQ3_S": ("IQ3_S", int(gguf.LlamaFileType.MOSTLY_IQ3_S)),
+    "IQ3_M": ("IQ3_S", int(gguf.LlamaFileType.MOSTLY_IQ3_M)),
 }
 _DENSE = ("F32", "F16", "BF16")
 # llama-quantize's fallback when a row length is not a multiple of the block size
-_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL",
+             "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL"}
 _IQ4 = ("IQ4_NL", "IQ4_XS")
 # ggml's quantizers that take no importance weights (``quantize_q8_0`` etc. ignore them)
 _IGNORE_WEIGHTS = ("Q8_0", "MXFP4", "TQ1_0", "TQ2_0")
@@ -112,6 +115,8 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
         i_v = _layer(name, state.i_attn_v)
         if ftype in _IQ4 and state.n_gqa >= 4:
             t = "Q5_K"
+        elif (ftype == "IQ3_S" and state.n_gqa >= 4) or ftype == "IQ3_M":
+            t = "Q4_K"
         elif ftype in ("Q4_K_M", "Q5_K_M") and _more_bits(i_v, state.n_attn_v):
             t = "Q6_K"
         elif ftype == "Q4_K_S" and i_v < 4:
@@ -123,8 +128,11 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
         if state.n_expert == 8:
             t = "Q8_0"
     elif cat == "attn_output":
-        if state.n_expert == 8 and ftype in ("Q4_K_S", "Q4_K_M", *_IQ4):
-            t = "Q5_K"
+        if state.n_expert == 8:
+            if ftype in ("Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M", *_IQ4):
+                t = "Q5_K"
+        elif ftype == "IQ3_M":
+            t = "Q4_K"
     elif cat == "ffn_down":
         i_layer = _layer(name, state.i_ffn_down)
         n = state.n_layer
@@ -134,6 +142,8 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
             t = "Q5_K"
         elif ftype == "Q4_K_S" and i_layer < n // 8:
             t = "Q5_K"
+        elif ftype == "IQ3_M" and (i_layer < n // 8 or (state.n_expert == 8 and _more_bits(i_layer, n))):
+            t = "Q4_K"
         elif ftype in ("Q4_0", "Q5_0") and state.has_imatrix and i_layer < n // 8:
             t = "Q4_1" if ftype == "Q4_0" else "Q5_1"
         state.i_ffn_down += 1
@@ -233,7 +243,7 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
         FileNotFoundError / GGUFError: ``src`` (or the imatrix file) is missing or malformed.
     """
     from .formats import get_format
-    from .gguf_file import GGUFFile, save_gguf
+    from .gguf_file import DeferredTensor, GGUFFile, save_gguf
     from .imatrix import IMatrix, load_imatrix
     from .tensor import GGUFTensor
 
@@ -297,28 +307,32 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(names), unit="tensor", desc=f"quantize {key}", leave=False)
-    out = {}
-    try:
-        for name in names:
-            t = f.tensors[name]
-            target = plan[name]
-            if bar is not None:
-                bar.set_postfix_str(f"{name} {t.qtype}->{target}")
-            if target == t.qtype and name not in replace:
-                out[name] = t  # as llama-quantize: a tensor already of its type is copied, not requantized
+
+    def produce(name: str):
+        # called by save_gguf as it writes tensor ``name``: one tensor in memory at a time
+        t = f.tensors[name]
+        target = plan[name]
+        if bar is not None:
+            bar.set_postfix_str(f"{name} {t.qtype}->{target}")
+        if target == t.qtype and name not in replace:
+            res = t  # as llama-quantize: a tensor already of its type is copied, not requantized
+        else:
+            dense = replace[name].float() if name in replace else t.dequantize(torch.float32)
+            if target in _DENSE:
+                res = dense.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[target])
             else:
-                dense = replace[name].float() if name in replace else t.dequantize(torch.float32)
-                if target in _DENSE:
-                    out[name] = dense.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[target])
-                else:
-                    packed = quantize_tensor(dense, target, weights.get(name))
-                    out[name] = GGUFTensor(packed, target, tuple(dense.shape))
-            if bar is not None:
-                bar.update(1)
+                res = GGUFTensor(quantize_tensor(dense, target, weights.get(name)), target, tuple(dense.shape))
+            del dense
+        if bar is not None:
+            bar.update(1)
+        return res
+
+    out = {name: DeferredTensor(tuple(infos[name].shape), plan[name], lambda n=name: produce(n)) for name in names}
+    try:
+        save_gguf(dst, out, meta, metadata_types=types)
     finally:
         if bar is not None:
             bar.close()
-    save_gguf(dst, out, meta, metadata_types=types)
     if log is not None:
         log(f"wrote {dst}: {len(out)} tensors")
     return plan

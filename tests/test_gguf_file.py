@@ -599,3 +599,30 @@ def test_error_bad_bool_in_array_raises_on_access(tmp_path):
     with GGUFFile(p) as f:
         with pytest.raises(GGUFError, match="'k.flags': bool array holds a byte other than 0/1"):
             f.metadata["k.flags"]
+
+
+def test_deferred_tensors_are_made_one_at_a_time_while_writing(tmp_path):
+    from hanzo_torch.gguf_file import DeferredTensor
+    x = torch.randn(4, 64)
+    q = hanzo_torch.quantize(x, "Q8_0")
+    made = []
+
+    def make(name, value):
+        def produce():
+            made.append(name)
+            return value
+        return produce
+    tensors = {"a": DeferredTensor((4, 64), "Q8_0", make("a", GGUFTensor(q, "Q8_0", (4, 64)))),
+               "b": DeferredTensor((3,), "F32", make("b", torch.arange(3.0)))}
+    path = tmp_path / "d.gguf"
+    save_gguf(path, tensors, {"general.name": "d"})
+    assert made == ["a", "b"]
+    f = GGUFFile(path)
+    assert f.tensor_info["a"].qtype == "Q8_0" and tuple(f.tensor_info["a"].shape) == (4, 64)
+    assert torch.equal(f.packed("a").reshape(-1), q.reshape(-1))
+    assert torch.equal(f.tensors["b"].dequantize(torch.float32), torch.arange(3.0))
+    f.close()
+    bad = {"a": DeferredTensor((4, 64), "Q8_0", lambda: torch.zeros(4, 64))}  # F32, not Q8_0
+    with pytest.raises(ValueError, match="deferred as Q8_0"):
+        save_gguf(tmp_path / "bad.gguf", bad)
+    assert not (tmp_path / "bad.gguf").exists() and not (tmp_path / "bad.gguf.tmp").exists()

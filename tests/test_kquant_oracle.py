@@ -22,6 +22,8 @@ import hanzo_torch
 KQ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 IQ4 = ["IQ4_NL", "IQ4_XS"]
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+CODEBOOK = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS"]  # the C kernel only
+NEEDS_WEIGHTS = ["IQ2_XXS", "IQ2_XS"]  # ggml_quantize_requires_imatrix
 
 pytestmark = pytest.mark.slow
 
@@ -109,6 +111,17 @@ def test_iq4_random_weights_byte_identical(ggml, name, path, monkeypatch):
             assert bad == 0, f"{name} {case} weights={qw is not None}: {bad} of {total} blocks differ"
 
 
+@pytest.mark.parametrize("name", CODEBOOK)
+def test_codebook_iquants_random_byte_identical(ggml, name):
+    g = torch.Generator().manual_seed(11)
+    for case, x in _cases().items():
+        for qw in (None, _imatrix_like(x.shape[1], 5 * x.shape[1]), torch.rand(x.shape[1], generator=g)):
+            if qw is None and name in NEEDS_WEIGHTS:
+                continue
+            bad, total = _compare(hanzo_torch.quantize(x, name, quant_weights=qw), ggml(x, name, qw), name)
+            assert bad == 0, f"{name} {case} weights={qw is not None}: {bad} of {total} blocks differ"
+
+
 @pytest.mark.parametrize("name", KQ + LEGACY)
 def test_weighted_kquants_random_byte_identical(ggml, name):
     for case, x in _cases().items():
@@ -126,8 +139,10 @@ def test_real_weights_with_weights_byte_identical(ggml):
             continue
         w = f.tensors[tname].dequantize().reshape(-1, f.tensors[tname].shape[-1])[:256].contiguous()
         qw = _imatrix_like(w.shape[1], 3)
-        for name in KQ + IQ4 + LEGACY:
+        for name in KQ + IQ4 + LEGACY + CODEBOOK:
             for weights in (None, qw):
+                if weights is None and name in NEEDS_WEIGHTS:
+                    continue
                 bad, total = _compare(hanzo_torch.quantize(w, name, quant_weights=weights), ggml(w, name, weights), name)
                 assert bad == 0, f"{tname} as {name} weights={weights is not None}: {bad} of {total} blocks differ"
 

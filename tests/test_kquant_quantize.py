@@ -43,6 +43,30 @@ def torch_path(monkeypatch):
     monkeypatch.setenv("HANZO_QUANT_NATIVE", "0")
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("name", KQ + ["IQ4_XS", "IQ4_NL"])
+def test_simd_path_matches_scalar_path(name, weighted, monkeypatch):
+    """The kernel's AVX2 searches (one sub-block per lane) give the scalar path's bytes."""
+    lib = _kquant_native.library()
+    if lib is None:
+        pytest.skip(f"the C kernel could not be built: {_kquant_native.error()}")
+    if not lib.hz_quant_set_simd(1):
+        pytest.skip("this CPU has no AVX2")
+    x = _mixed(12, 1024, name + "simd")
+    x[7] *= 1e-30                  # tiny and huge magnitudes
+    x[8] *= 1e20
+    x[9, :32] = -2.0               # a constant negative sub-block
+    x[10, ::3] = 0
+    qw = None
+    if weighted:
+        qw = torch.rand(1024, generator=_gen(name + "w"))
+        qw[:40] = 0                # zero weights on whole sub-blocks
+    simd = _kquant_native.quantize_rows(x, name, qw)
+    monkeypatch.setenv("HANZO_QUANT_SIMD", "0")
+    scalar = _kquant_native.quantize_rows(x, name, qw)
+    assert torch.equal(simd, scalar), f"{int((simd != scalar).sum())} bytes differ"
+
+
 @pytest.mark.parametrize("name", KQ)
 def test_kernel_matches_torch_version(name, monkeypatch):
     if _kquant_native.library() is None:

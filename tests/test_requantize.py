@@ -84,3 +84,37 @@ def test_cli_quantize(f32_model, tmp_path, capsys):
     assert "unknown type Q7" in capsys.readouterr().err
     assert not (tmp_path / "y.gguf").exists()
     assert cli.main(["quantize", str(tmp_path / "nope.gguf"), str(tmp_path / "y.gguf"), "Q8_0"]) != 0
+
+
+def test_iq3_recipes():
+    """llama-quantize's IQ3_S / IQ3_M choices (llama_tensor_get_type) for a GQA model (n_gqa 6)
+    and for one without GQA; rows that are not a 256 multiple fall back to IQ4_NL."""
+    from hanzo_torch.requantize import _State, tensor_type
+    for gqa in (6, 1):
+        for ftype in ("IQ3_S", "IQ3_M"):
+            st = _State(n_layer=16, n_attn_v=16, tied=False, n_gqa=gqa)
+            v = "Q4_K" if ftype == "IQ3_M" or gqa >= 4 else "IQ3_S"
+            assert tensor_type("blk.3.attn_v.weight", (256, 1536), "F32", ftype, st) == v
+            assert tensor_type("blk.3.attn_q.weight", (1536, 1536), "F32", ftype, st) == "IQ3_S"
+            assert tensor_type("blk.3.attn_output.weight", (1536, 1536), "F32", ftype, st) == (
+                "Q4_K" if ftype == "IQ3_M" else "IQ3_S")
+            assert tensor_type("blk.1.ffn_down.weight", (1536, 8960), "F32", ftype, st) == (
+                "Q4_K" if ftype == "IQ3_M" else "IQ3_S")  # layer 1 < 16 / 8
+            assert tensor_type("blk.5.ffn_down.weight", (1536, 8960), "F32", ftype, st) == "IQ3_S"
+            assert tensor_type("output.weight", (1000, 1536), "F32", ftype, st) == "Q6_K"
+            assert tensor_type("token_embd.weight", (1000, 1536), "F32", ftype, st) == "IQ3_S"
+            assert tensor_type("blk.5.ffn_up.weight", (64, 96), "F32", ftype, st) == "IQ4_NL"
+    st = _State(n_layer=16, n_attn_v=16, tied=False, n_expert=8)
+    assert tensor_type("blk.3.attn_output.weight", (1536, 1536), "F32", "IQ3_S", st) == "Q5_K"
+
+
+def test_requantize_iq3_s_logits_close(f32_model, tmp_path):
+    out = tmp_path / "iq3s.gguf"
+    plan = requantize(str(f32_model), str(out), "IQ3_S", progress=False)
+    assert plan["blk.0.attn_q.weight"] == "IQ3_S" and _types(out) == plan
+    assert hanzo_torch.GGUFFile(out).metadata["general.file_type"] == 26  # LLAMA_FTYPE_MOSTLY_IQ3_S
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    ref = hanzo_torch.load(str(f32_model))(ids).float()
+    got = hanzo_torch.load(str(out))(ids).float()
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel < 0.35, rel  # measured 0.255

@@ -6,7 +6,9 @@
  * torch version with EMULATE_FMA False and in libggml-base as ggml's CMake build compiles it.
  * Block layouts: ggml-common.h (block_q2_K .. block_q6_K).
  */
+#include <float.h>
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -108,6 +110,111 @@ static float qkx2(int n, int nmax, const float *x, const float *w, uint8_t *L, f
     }
     *the_min = -mn;
     return scale;
+}
+
+
+/* make_qkx2_quants / make_qkx3_quants (the same float32 operations when use_mad is 0) for the
+ * eight 32-value sub-blocks of a super-block at once, one sub-block per AVX2 lane: each lane
+ * runs the scalar order of operations exactly (no FMA, IEEE div/sqrt, round-to-nearest-even
+ * conversion), so the bytes equal the scalar path's. x, w: 256 floats (sub-block j at 32 * j);
+ * writes L[256], scale[8], the_min[8]. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HZ_HAVE_AVX2_PATH 1
+__attribute__((target("avx2")))
+static void qkx_avx2(const float *x, const float *w, uint8_t *L, float *scale_out, float *min_out,
+                     int nmax, float rmin, float rdelta, int nstep) {
+    __m256 X[32], W[32];
+    __m256i BL[32];
+    const __m256i idx = _mm256_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224);
+    for (int i = 0; i < 32; ++i) {
+        X[i] = _mm256_i32gather_ps(x + i, idx, 4);
+        W[i] = _mm256_i32gather_ps(w + i, idx, 4);
+    }
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256i izero = _mm256_setzero_si256(), inmax = _mm256_set1_epi32(nmax);
+    __m256 mn = X[0], mx = X[0], sum_w = W[0], sum_x = _mm256_mul_ps(W[0], X[0]);
+    for (int i = 1; i < 32; ++i) {
+        mn = _mm256_min_ps(X[i], mn);  /* x < mn ? x : mn */
+        mx = _mm256_max_ps(X[i], mx);  /* x > mx ? x : mx */
+        sum_w = _mm256_add_ps(sum_w, W[i]);
+        sum_x = _mm256_add_ps(sum_x, _mm256_mul_ps(W[i], X[i]));
+    }
+    mn = _mm256_blendv_ps(mn, zero, _mm256_cmp_ps(mn, zero, _CMP_GT_OQ));
+    const __m256 mn0 = mn, flat = _mm256_cmp_ps(mx, mn, _CMP_LE_OQ);
+    __m256 iscale = _mm256_div_ps(_mm256_set1_ps((float)nmax), _mm256_sub_ps(mx, mn));
+    __m256 scale = _mm256_div_ps(_mm256_set1_ps(1.f), iscale), best = zero;
+    for (int i = 0; i < 32; ++i) {
+        __m256i l = _mm256_cvtps_epi32(_mm256_mul_ps(iscale, _mm256_sub_ps(X[i], mn)));
+        l = _mm256_min_epi32(_mm256_max_epi32(l, izero), inmax);
+        BL[i] = l;
+        __m256 d = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(l)), mn), X[i]);
+        best = _mm256_add_ps(best, _mm256_mul_ps(W[i], _mm256_mul_ps(d, d)));
+    }
+    for (int is = 0; is <= nstep; ++is) {
+        iscale = _mm256_div_ps(_mm256_set1_ps(rmin + rdelta * is + nmax), _mm256_sub_ps(mx, mn));
+        __m256 sl = zero, sl2 = zero, sxl = zero;
+        __m256i La[32];
+        for (int i = 0; i < 32; ++i) {
+            __m256i l = _mm256_cvtps_epi32(_mm256_mul_ps(iscale, _mm256_sub_ps(X[i], mn)));
+            l = _mm256_min_epi32(_mm256_max_epi32(l, izero), inmax);
+            La[i] = l;
+            __m256 fl = _mm256_cvtepi32_ps(l), wl = _mm256_mul_ps(W[i], fl);
+            sl = _mm256_add_ps(sl, wl);
+            sl2 = _mm256_add_ps(sl2, _mm256_mul_ps(wl, fl));
+            sxl = _mm256_add_ps(sxl, _mm256_mul_ps(wl, X[i]));
+        }
+        __m256 D = _mm256_sub_ps(_mm256_mul_ps(sum_w, sl2), _mm256_mul_ps(sl, sl));
+        __m256 ok = _mm256_cmp_ps(D, zero, _CMP_GT_OQ);
+        if (!_mm256_movemask_ps(ok)) continue;
+        __m256 s = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(sum_w, sxl), _mm256_mul_ps(sum_x, sl)), D);
+        __m256 m = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(sl2, sum_x), _mm256_mul_ps(sl, sxl)), D);
+        __m256 mpos = _mm256_cmp_ps(m, zero, _CMP_GT_OQ);
+        m = _mm256_blendv_ps(m, zero, mpos);
+        s = _mm256_blendv_ps(s, _mm256_div_ps(sxl, sl2), mpos);
+        __m256 err = zero;
+        for (int i = 0; i < 32; ++i) {
+            __m256 d = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(s, _mm256_cvtepi32_ps(La[i])), m), X[i]);
+            err = _mm256_add_ps(err, _mm256_mul_ps(W[i], _mm256_mul_ps(d, d)));
+        }
+        __m256 upd = _mm256_and_ps(ok, _mm256_cmp_ps(err, best, _CMP_LT_OQ));
+        if (!_mm256_movemask_ps(upd)) continue;
+        __m256i updi = _mm256_castps_si256(upd);
+        for (int i = 0; i < 32; ++i) BL[i] = _mm256_blendv_epi8(BL[i], La[i], updi);
+        best = _mm256_blendv_ps(best, err, upd);
+        scale = _mm256_blendv_ps(scale, s, upd);
+        mn = _mm256_blendv_ps(mn, m, upd);
+    }
+    __m256i flati = _mm256_castps_si256(flat);
+    scale = _mm256_blendv_ps(scale, zero, flat);
+    mn = _mm256_blendv_ps(mn, mn0, flat);
+    __m256 neg = _mm256_xor_ps(mn, _mm256_set1_ps(-0.f));
+    _mm256_storeu_ps(scale_out, scale);
+    _mm256_storeu_ps(min_out, neg);
+    int32_t lanes[8];
+    for (int i = 0; i < 32; ++i) {
+        _mm256_storeu_si256((__m256i *)lanes, _mm256_blendv_epi8(BL[i], izero, flati));
+        for (int j = 0; j < 8; ++j) L[32 * j + i] = (uint8_t)lanes[j];
+    }
+}
+#endif
+
+/* 1 when the AVX2 sub-block search runs (the CPU has AVX2 and hz_quant_set_simd(0) was not called) */
+static int simd_on = -1;
+static int use_simd(void) {
+#ifdef HZ_HAVE_AVX2_PATH
+    if (simd_on < 0) simd_on = __builtin_cpu_supports("avx2") ? 1 : 0;
+    return simd_on;
+#else
+    return 0;
+#endif
+}
+
+/* Turn the AVX2 path off (0) or back on where the CPU has it (1); returns whether it is on. */
+int hz_quant_set_simd(int on) {
+    simd_on = -1;
+    if (!on) { simd_on = 0; return 0; }
+    return use_simd();
 }
 
 static void absmax(int n, const float *x, float *amax, float *max) {
@@ -269,14 +376,21 @@ static void q3_k_block(const float *x, uint8_t *y) {
 
 /* Q4_K / Q5_K: d, dmin, 12 scale bytes, then the codes L[256] (returned) */
 static void k4_head(const float *x, uint8_t *y, uint8_t *L, int nmax, float rmin, int nstep) {
-    float w[32], sc[8], mn[8], max_s = 0, max_m = 0;
+    float w[QK], sc[8], mn[8], max_s = 0, max_m = 0;
     for (int j = 0; j < 8; ++j) {
         const float *xj = x + 32 * j;
         float s2 = 0;
         for (int l = 0; l < 32; ++l) s2 += xj[l] * xj[l];
         float av = sqrtf(s2 / 32);
-        for (int l = 0; l < 32; ++l) w[l] = av + fabsf(xj[l]);
-        sc[j] = qkx2(32, nmax, xj, w, L + 32 * j, &mn[j], rmin, 0.1f, nstep, 0);
+        for (int l = 0; l < 32; ++l) w[32 * j + l] = av + fabsf(xj[l]);
+    }
+#ifdef HZ_HAVE_AVX2_PATH
+    if (use_simd()) qkx_avx2(x, w, L, sc, mn, nmax, rmin, 0.1f, nstep);
+    else
+#endif
+    for (int j = 0; j < 8; ++j)
+        sc[j] = qkx2(32, nmax, x + 32 * j, w + 32 * j, L + 32 * j, &mn[j], rmin, 0.1f, nstep, 0);
+    for (int j = 0; j < 8; ++j) {
         if (sc[j] > max_s) max_s = sc[j];
         if (mn[j] > max_m) max_m = mn[j];
     }
@@ -325,11 +439,83 @@ static void q5_k_block(const float *x, uint8_t *y) {
         }
 }
 
+#ifdef HZ_HAVE_AVX2_PATH
+/* make_qx_quants with rmse_type 1 (qx_rmse1) for eight 16-value sub-blocks at once, one per
+ * AVX2 lane, in the scalar order of operations: x, qw (or NULL): 128 floats (sub-block j at
+ * 16 * j); writes L[128] (offset by nmax) and scale[8]. */
+__attribute__((target("avx2")))
+static void qx16_avx2(const float *x, const float *qw, int8_t *L, float *scale_out, int nmax) {
+    __m256 X[16], W[16];
+    __m256i BL[16];
+    const __m256i idx = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+    const __m256 zero = _mm256_setzero_ps(), absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lo = _mm256_set1_epi32(-nmax), hi = _mm256_set1_epi32(nmax - 1);
+    __m256 amax = zero, mx = zero;
+    for (int i = 0; i < 16; ++i) {
+        X[i] = _mm256_i32gather_ps(x + i, idx, 4);
+        W[i] = qw ? _mm256_i32gather_ps(qw + i, idx, 4) : _mm256_mul_ps(X[i], X[i]);
+        __m256 a = _mm256_and_ps(X[i], absm), gt = _mm256_cmp_ps(a, amax, _CMP_GT_OQ);
+        amax = _mm256_blendv_ps(amax, a, gt);
+        mx = _mm256_blendv_ps(mx, X[i], gt);
+    }
+    const __m256 tiny = _mm256_cmp_ps(amax, _mm256_set1_ps(EPS), _CMP_LT_OQ);
+    __m256 iscale = _mm256_div_ps(_mm256_set1_ps((float)-nmax), mx), sumlx = zero, suml2 = zero;
+    for (int i = 0; i < 16; ++i) {
+        __m256i l = _mm256_cvtps_epi32(_mm256_mul_ps(iscale, X[i]));
+        l = _mm256_min_epi32(_mm256_max_epi32(l, lo), hi);
+        BL[i] = l;
+        __m256 fl = _mm256_cvtepi32_ps(l);
+        sumlx = _mm256_add_ps(sumlx, _mm256_mul_ps(_mm256_mul_ps(W[i], X[i]), fl));
+        suml2 = _mm256_add_ps(suml2, _mm256_mul_ps(_mm256_mul_ps(W[i], fl), fl));
+    }
+    __m256 nz = _mm256_cmp_ps(suml2, zero, _CMP_NEQ_UQ);
+    __m256 scale = _mm256_and_ps(nz, _mm256_div_ps(sumlx, suml2));
+    __m256 best = _mm256_mul_ps(scale, sumlx);
+    for (int is = -9; is <= 9; ++is) {
+        if (is == 0) continue;
+        iscale = _mm256_div_ps(_mm256_set1_ps(-(nmax + 0.1f * is)), mx);
+        __m256i La[16];
+        sumlx = suml2 = zero;
+        for (int i = 0; i < 16; ++i) {
+            __m256i l = _mm256_cvtps_epi32(_mm256_mul_ps(iscale, X[i]));
+            l = _mm256_min_epi32(_mm256_max_epi32(l, lo), hi);
+            La[i] = l;
+            __m256 fl = _mm256_cvtepi32_ps(l);
+            sumlx = _mm256_add_ps(sumlx, _mm256_mul_ps(_mm256_mul_ps(W[i], X[i]), fl));
+            suml2 = _mm256_add_ps(suml2, _mm256_mul_ps(_mm256_mul_ps(W[i], fl), fl));
+        }
+        __m256 upd = _mm256_and_ps(_mm256_cmp_ps(suml2, zero, _CMP_GT_OQ),
+                                   _mm256_cmp_ps(_mm256_mul_ps(sumlx, sumlx), _mm256_mul_ps(best, suml2), _CMP_GT_OQ));
+        if (!_mm256_movemask_ps(upd)) continue;
+        __m256i updi = _mm256_castps_si256(upd);
+        for (int i = 0; i < 16; ++i) BL[i] = _mm256_blendv_epi8(BL[i], La[i], updi);
+        __m256 s = _mm256_div_ps(sumlx, suml2);
+        scale = _mm256_blendv_ps(scale, s, upd);
+        best = _mm256_blendv_ps(best, _mm256_mul_ps(s, sumlx), upd);
+    }
+    scale = _mm256_blendv_ps(scale, zero, tiny);
+    _mm256_storeu_ps(scale_out, scale);
+    const __m256i off = _mm256_set1_epi32(nmax), tinyi = _mm256_castps_si256(tiny);
+    int32_t lanes[8];
+    for (int i = 0; i < 16; ++i) {
+        _mm256_storeu_si256((__m256i *)lanes, _mm256_blendv_epi8(_mm256_add_epi32(BL[i], off),
+                                                                 _mm256_setzero_si256(), tinyi));
+        for (int j = 0; j < 8; ++j) L[16 * j + i] = (int8_t)lanes[j];
+    }
+}
+#endif
+
 static void q6_k_block(const float *x, uint8_t *y, const float *qw) {
     int8_t L[QK];
     float sc[16], amax = 0, max_s = 0;
+#ifdef HZ_HAVE_AVX2_PATH
+    if (use_simd()) {
+        qx16_avx2(x, qw, L, sc, 32);
+        qx16_avx2(x + 128, qw ? qw + 128 : NULL, L + 128, sc + 8, 32);
+    } else
+#endif
+    for (int j = 0; j < 16; ++j) sc[j] = qx_rmse1(16, 32, x + 16 * j, L + 16 * j, qw ? qw + 16 * j : NULL);
     for (int j = 0; j < 16; ++j) {
-        sc[j] = qx_rmse1(16, 32, x + 16 * j, L + 16 * j, qw ? qw + 16 * j : NULL);
         float a = fabsf(sc[j]);
         if (a > amax) { amax = a; max_s = sc[j]; }
     }
@@ -544,16 +730,22 @@ static void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
 
 /* Q4_K / Q5_K with weights: d, dmin, 12 scale bytes, then the codes L[256] (returned) */
 static void k4_head_w(const float *x, uint8_t *y, uint8_t *L, int nmax, const float *qw, int cap) {
-    float w[32], sw[8], sc[8], mn[8];
+    float w[QK], sw[8], sc[8], mn[8];
     uint8_t Ls[8], Lm[8], *scales = y + 4;
     float sigma2 = 2 * sum_sq(QK, x) / QK;
     for (int j = 0; j < 8; ++j) {
-        for (int l = 0; l < 32; ++l) w[l] = qw[32 * j + l] * sqrtf(sigma2 + x[32 * j + l] * x[32 * j + l]);
+        float *wj = w + 32 * j;
+        for (int l = 0; l < 32; ++l) wj[l] = qw[32 * j + l] * sqrtf(sigma2 + x[32 * j + l] * x[32 * j + l]);
         float s = 0;
-        for (int l = 0; l < 32; ++l) s += w[l];
+        for (int l = 0; l < 32; ++l) s += wj[l];
         sw[j] = s;
-        sc[j] = qkx3(32, nmax, x + 32 * j, w, L + 32 * j, &mn[j], -0.9f, 0.05f, 36);
     }
+#ifdef HZ_HAVE_AVX2_PATH
+    if (use_simd()) qkx_avx2(x, w, L, sc, mn, nmax, -0.9f, 0.05f, 36);
+    else
+#endif
+    for (int j = 0; j < 8; ++j)
+        sc[j] = qkx3(32, nmax, x + 32 * j, w + 32 * j, L + 32 * j, &mn[j], -0.9f, 0.05f, 36);
     float d_block = qp(8, 63, sc, Ls, sw), m_block = qp(8, 63, mn, Lm, sw);
     for (int j = 0; j < 8; ++j) {
         uint8_t ls = Ls[j], lm = Lm[j];
@@ -739,24 +931,744 @@ static void legacy_row_w(int type_id, const float *x, uint8_t *y, int64_t n, con
     }
 }
 
+
+/* ---- IQ3_XXS (ggml's quantize_row_iq3_xxs_impl, grid size 256) ----
+ * Layout (ggml-common.h block_iq3_xxs, 98 bytes): fp16 d; 64 grid indices (8 per group of 32, one
+ * per 4 values); 8 little-endian uint32, per group: four 7-bit sign masks (the 8th sign of each 8
+ * values is the parity) and a 4-bit scale in bits 28..31. */
+
+/* the 256 grid points: 4 three-bit levels l (value 2l + 1), level i in bits 3i..3i+2 */
+static const uint16_t IQ3XXS_KGRID[256] = {
+       0,    2,    4,    9,   11,   15,   16,   18,   25,   34,   59,   61,   65,   67,   72,   74,
+      81,   85,   88,   90,   97,  108,  120,  128,  130,  132,  137,  144,  146,  153,  155,  159,
+     169,  175,  189,  193,  199,  200,  202,  213,  248,  267,  287,  292,  303,  315,  317,  321,
+     327,  346,  362,  413,  436,  456,  460,  462,  483,  497,  513,  515,  520,  522,  529,  531,
+     536,  538,  540,  551,  552,  576,  578,  585,  592,  594,  641,  643,  648,  650,  657,  664,
+     698,  704,  706,  720,  729,  742,  758,  769,  773,  808,  848,  852,  870,  889,  901,  978,
+     992, 1024, 1026, 1033, 1035, 1040, 1042, 1046, 1049, 1058, 1089, 1091, 1093, 1096, 1098, 1105,
+    1112, 1139, 1143, 1144, 1152, 1154, 1161, 1167, 1168, 1170, 1183, 1184, 1197, 1217, 1224, 1228,
+    1272, 1276, 1309, 1323, 1347, 1367, 1377, 1404, 1473, 1475, 1486, 1509, 1537, 1544, 1546, 1553,
+    1555, 1576, 1589, 1594, 1600, 1602, 1616, 1625, 1636, 1638, 1665, 1667, 1672, 1685, 1706, 1722,
+    1737, 1755, 1816, 1831, 1850, 1856, 1862, 1874, 1901, 1932, 1950, 1971, 2011, 2032, 2052, 2063,
+    2077, 2079, 2091, 2095, 2172, 2192, 2207, 2208, 2224, 2230, 2247, 2277, 2308, 2345, 2356, 2389,
+    2403, 2424, 2501, 2504, 2506, 2520, 2570, 2593, 2616, 2624, 2630, 2646, 2669, 2700, 2714, 2746,
+    2754, 2795, 2824, 2835, 2839, 2874, 2882, 2905, 2984, 3028, 3042, 3092, 3108, 3110, 3124, 3153,
+    3185, 3215, 3252, 3288, 3294, 3364, 3397, 3434, 3483, 3523, 3537, 3587, 3589, 3591, 3592, 3610,
+    3626, 3670, 3680, 3722, 3749, 3754, 3776, 3789, 3803, 3824, 3857, 3873, 3904, 3906, 3924, 3992,
+};
+/* IQ3_S's 512 grid points, the same encoding */
+static const uint16_t IQ3S_KGRID[512] = {
+       0,    1,    2,    5,    7,    8,    9,   10,   12,   14,   16,   17,   21,   27,   32,   34,
+      37,   39,   41,   43,   48,   50,   57,   60,   63,   64,   65,   66,   68,   72,   73,   77,
+      80,   83,   87,   89,   93,  100,  113,  117,  122,  128,  129,  133,  135,  136,  139,  142,
+     145,  149,  152,  156,  162,  165,  167,  169,  171,  184,  187,  195,  201,  205,  208,  210,
+     217,  219,  222,  228,  232,  234,  247,  249,  253,  256,  267,  271,  273,  276,  282,  288,
+     291,  297,  312,  322,  324,  336,  338,  342,  347,  353,  357,  359,  374,  379,  390,  393,
+     395,  409,  426,  441,  448,  450,  452,  464,  466,  470,  475,  488,  492,  512,  513,  514,
+     516,  520,  521,  523,  525,  527,  528,  530,  537,  540,  542,  556,  558,  561,  570,  576,
+     577,  579,  582,  584,  588,  593,  600,  603,  609,  616,  618,  632,  638,  640,  650,  653,
+     655,  656,  660,  666,  672,  675,  685,  688,  698,  705,  708,  711,  712,  715,  721,  727,
+     728,  732,  737,  754,  760,  771,  773,  778,  780,  793,  795,  802,  806,  808,  812,  833,
+     840,  843,  849,  856,  858,  873,  912,  916,  919,  932,  934,  961,  963,  968,  970,  977,
+     989,  993, 1010, 1016, 1024, 1025, 1027, 1029, 1031, 1032, 1034, 1036, 1038, 1041, 1043, 1047,
+    1048, 1050, 1057, 1059, 1061, 1064, 1066, 1079, 1080, 1083, 1085, 1088, 1090, 1096, 1099, 1103,
+    1106, 1109, 1113, 1116, 1122, 1129, 1153, 1156, 1159, 1169, 1171, 1176, 1183, 1185, 1195, 1199,
+    1209, 1212, 1216, 1218, 1221, 1225, 1234, 1236, 1241, 1243, 1250, 1256, 1270, 1281, 1287, 1296,
+    1299, 1306, 1309, 1313, 1338, 1341, 1348, 1353, 1362, 1375, 1376, 1387, 1400, 1408, 1410, 1415,
+    1425, 1453, 1457, 1477, 1481, 1494, 1496, 1507, 1512, 1538, 1545, 1547, 1549, 1551, 1554, 1561,
+    1563, 1565, 1570, 1572, 1575, 1577, 1587, 1593, 1601, 1603, 1605, 1612, 1617, 1619, 1632, 1648,
+    1658, 1662, 1664, 1674, 1680, 1690, 1692, 1704, 1729, 1736, 1740, 1745, 1747, 1751, 1752, 1761,
+    1763, 1767, 1773, 1787, 1795, 1801, 1806, 1810, 1817, 1834, 1840, 1844, 1857, 1864, 1866, 1877,
+    1882, 1892, 1902, 1915, 1934, 1953, 1985, 1987, 2000, 2002, 2013, 2048, 2052, 2058, 2064, 2068,
+    2071, 2074, 2081, 2088, 2104, 2114, 2119, 2121, 2123, 2130, 2136, 2141, 2147, 2153, 2157, 2177,
+    2179, 2184, 2189, 2193, 2203, 2208, 2223, 2226, 2232, 2244, 2249, 2251, 2256, 2258, 2265, 2269,
+    2304, 2306, 2324, 2335, 2336, 2361, 2373, 2375, 2385, 2418, 2443, 2460, 2480, 2504, 2509, 2520,
+    2531, 2537, 2562, 2568, 2572, 2578, 2592, 2596, 2599, 2602, 2614, 2620, 2625, 2627, 2629, 2634,
+    2641, 2650, 2682, 2688, 2697, 2707, 2712, 2718, 2731, 2754, 2759, 2760, 2775, 2788, 2793, 2805,
+    2811, 2817, 2820, 2832, 2842, 2854, 2890, 2902, 2921, 2923, 2978, 3010, 3012, 3026, 3081, 3083,
+    3085, 3097, 3099, 3120, 3136, 3152, 3159, 3188, 3210, 3228, 3234, 3245, 3250, 3256, 3264, 3276,
+    3281, 3296, 3349, 3363, 3378, 3392, 3395, 3420, 3440, 3461, 3488, 3529, 3531, 3584, 3588, 3591,
+    3600, 3602, 3614, 3616, 3628, 3634, 3650, 3657, 3668, 3683, 3685, 3713, 3716, 3720, 3726, 3729,
+    3736, 3753, 3778, 3802, 3805, 3819, 3841, 3845, 3851, 3856, 3880, 3922, 3938, 3970, 3993, 4032,
+};
+
+/* a grid's tables (ggml's iq3xs_init_impl): the points' values 2l + 1; code (4 levels, 12 bits)
+ * -> grid index, or -1 - offset into nb; per code off the grid, nb holds a count and the
+ * neighbours' indices */
+typedef struct {
+    int8_t grid[512][4];
+    int map[4096];
+    uint16_t *nb;
+    volatile int ready;
+} iq3_tables;
+static iq3_tables IQ3T[2];  /* 0: IQ3_XXS (256 points), 1: IQ3_S (512) */
+
+/* The neighbours of a code off the grid: the grid points at the nwant smallest squared
+ * distances (2 for 256 points, 3 for 512), ordered by (distance, index) as ggml's qsort of
+ * (d2, index) pairs orders them. Returns 0, or -4 when out of memory. */
+static int iq3_init(int which) {
+    iq3_tables *t = &IQ3T[which];
+    if (t->ready) return 0;
+    int rc = 0;
+#pragma omp critical(hz_iq3_init)
+    if (!t->ready) {
+        const uint16_t *kg = which ? IQ3S_KGRID : IQ3XXS_KGRID;
+        int ng = which ? 512 : 256, nwant = which ? 3 : 2;
+        for (int k = 0; k < ng; ++k)
+            for (int i = 0; i < 4; ++i) t->grid[k][i] = (int8_t)(2 * ((kg[k] >> (3 * i)) & 7) + 1);
+        for (int u = 0; u < 4096; ++u) t->map[u] = -1;
+        for (int k = 0; k < ng; ++k) t->map[kg[k]] = k;
+        size_t cap = 4096 * 32, used = 0;
+        uint16_t *nb = (uint16_t *)malloc(cap * sizeof(uint16_t));
+        for (int u = 0; u < 4096 && nb; ++u) {
+            if (t->map[u] >= 0) continue;
+            int d2[512], want[3], nd = 0;
+            for (int j = 0; j < ng; ++j) {
+                int d = 0;
+                for (int i = 0; i < 4; ++i) {
+                    int e = t->grid[j][i] - (2 * ((u >> (3 * i)) & 7) + 1);
+                    d += e * e;
+                }
+                d2[j] = d;
+            }
+            while (nd < nwant) {  /* the nwant smallest distinct distances, ascending */
+                int m = 1 << 30;
+                for (int j = 0; j < ng; ++j)
+                    if (d2[j] < m && (nd == 0 || d2[j] > want[nd - 1])) m = d2[j];
+                if (m == 1 << 30) break;
+                want[nd++] = m;
+            }
+            if (used + (size_t)ng + 1 > cap) {
+                cap *= 2;
+                uint16_t *tmp = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
+                if (!tmp) { free(nb); nb = NULL; break; }
+                nb = tmp;
+            }
+            t->map[u] = -1 - (int)used;
+            size_t start = used++;
+            for (int q = 0; q < nd; ++q)
+                for (int j = 0; j < ng; ++j) if (d2[j] == want[q]) nb[used++] = (uint16_t)j;
+            nb[start] = (uint16_t)(used - start - 1);
+        }
+        if (nb) { t->nb = nb; t->ready = 1; } else rc = -4;
+    }
+    return rc;
+}
+
+/* ggml's iq3_find_best_neighbour: the neighbour with the least weighted squared error */
+static int iq3_best_neighbour(const iq3_tables *t, const uint16_t *nb, const float *xval, const float *w,
+                              float scale, int8_t *L) {
+    int n = nb[0], gi = -1;
+    float best = FLT_MAX;
+    for (int j = 1; j <= n; ++j) {
+        const int8_t *pg = t->grid[nb[j]];
+        float d2 = 0;
+        for (int i = 0; i < 4; ++i) {
+            float q = pg[i];
+            float diff = scale * q - xval[i];
+            d2 += w[i] * diff * diff;
+        }
+        if (d2 < best) { best = d2; gi = nb[j]; }
+    }
+    if (gi < 0) gi = nb[1];  /* all errors inf/NaN (ggml aborts there) */
+    for (int i = 0; i < 4; ++i) L[i] = (int8_t)((t->grid[gi][i] - 1) / 2);
+    return gi;
+}
+
+static inline int iq3_code(const int8_t *L) { return L[0] | (L[1] << 3) | (L[2] << 6) | (L[3] << 9); }
+
+static void iq3_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
+    const iq3_tables *t = &IQ3T[0];
+    const int kmax = 8;
+    float scales[8], weight[32], xval[32], waux[32], max_scale = 0;
+    int8_t L[32], Laux[32];
+    int on[8], on_aux[8];
+    uint8_t signs[4], q3[64];
+    uint32_t sas[8];
+    memset(q3, 0, sizeof q3);
+    memset(sas, 0, sizeof sas);
+    float sumx2 = 0;
+    for (int i = 0; i < QK; ++i) sumx2 += xbl[i] * xbl[i];
+    float sigma2 = 2 * sumx2 / QK;
+    for (int ib = 0; ib < 8; ++ib) {
+        const float *xb = xbl + 32 * ib;
+        if (qw) for (int i = 0; i < 32; ++i) weight[i] = qw[32 * ib + i] * sqrtf(sigma2 + xb[i] * xb[i]);
+        else for (int i = 0; i < 32; ++i) weight[i] = xb[i] * xb[i];
+        for (int i = 0; i < 32; ++i) waux[i] = sqrtf(weight[i]);
+        for (int k = 0; k < 4; ++k) {
+            int nflip = 0;
+            uint8_t sg = 0;
+            for (int i = 0; i < 8; ++i) {
+                if (xb[8 * k + i] >= 0) xval[8 * k + i] = xb[8 * k + i];
+                else { xval[8 * k + i] = -xb[8 * k + i]; ++nflip; sg |= (uint8_t)(1 << i); }
+            }
+            if (nflip % 2) {  /* odd: flip the value that costs least, keeping an even count */
+                int imin = 0;
+                float mn = weight[8 * k] * xb[8 * k] * xb[8 * k];
+                for (int i = 1; i < 8; ++i) {
+                    float ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
+                    if (ax < mn) { mn = ax; imin = i; }
+                }
+                xval[8 * k + imin] = -xval[8 * k + imin];
+                sg ^= (uint8_t)(1 << imin);
+            }
+            signs[k] = sg & 127;
+        }
+        float mx = xval[0];
+        for (int i = 1; i < 32; ++i) mx = mx > xval[i] ? mx : xval[i];
+        memset(L, 0, 32);
+        if (mx < 1e-8f) { scales[ib] = 0; continue; }
+        float best = 0, scale = mx / (2 * kmax - 1);
+        for (int k = 0; k < 8; ++k) on[k] = 1;
+        for (int is = -15; is <= 15; ++is) {
+            float id = (2 * kmax - 1 + is * 0.2f) / mx, this_scale = 1 / id;
+            for (int k = 0; k < 8; ++k) {
+                for (int i = 0; i < 4; ++i) Laux[4 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[4 * k + i] - 1)), 0, kmax - 1);
+                int u = iq3_code(Laux + 4 * k);
+                on_aux[k] = t->map[u] >= 0;
+                if (!on_aux[k])
+                    iq3_best_neighbour(t, t->nb - t->map[u] - 1, xval + 4 * k, waux + 4 * k, this_scale, Laux + 4 * k);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * Laux[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                memcpy(L, Laux, 32);
+                memcpy(on, on_aux, sizeof on);
+            }
+        }
+        int n_off = 0;
+        for (int k = 0; k < 8; ++k) n_off += !on[k];
+        if (n_off > 0 && scale > 0) {  /* re-round the groups that went to a neighbour at the final scale */
+            float id = 1 / scale;
+            for (int k = 0; k < 8; ++k) {
+                if (on[k]) continue;
+                int8_t l4[4];
+                for (int i = 0; i < 4; ++i) l4[i] = (int8_t)clampi(rnd(0.5f * (id * xval[4 * k + i] - 1)), 0, kmax - 1);
+                int u = iq3_code(l4), gi = t->map[u];
+                if (gi < 0) gi = iq3_best_neighbour(t, t->nb - gi - 1, xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
+                for (int i = 0; i < 4; ++i) L[4 * k + i] = (int8_t)((t->grid[gi][i] - 1) / 2);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * L[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0) scale = sumqx / sumq2;
+        }
+        if (scale < 0) {
+            scale = -scale;
+            for (int k = 0; k < 4; ++k) signs[k] = (uint8_t)((~signs[k]) & 127);
+        }
+        for (int k = 0; k < 8; ++k) {
+            int gi = t->map[iq3_code(L + 4 * k)];
+            q3[8 * ib + k] = (uint8_t)(gi < 0 ? 0 : gi);  /* always on the grid here */
+        }
+        sas[ib] = (uint32_t)signs[0] | ((uint32_t)signs[1] << 7) | ((uint32_t)signs[2] << 14) | ((uint32_t)signs[3] << 21);
+        scales[ib] = scale;
+        max_scale = max_scale > scale ? max_scale : scale;
+    }
+    if (!max_scale) { memset(y, 0, 98); return; }
+    float d = max_scale / 31;
+    put_half(y, d * 1.0125f);
+    float id = 1 / d;
+    for (int ib = 0; ib < 8; ++ib) {
+        int l = clampi(rnd(0.5f * (id * scales[ib] - 1)), 0, 15);
+        sas[ib] |= (uint32_t)l << 28;
+    }
+    memcpy(y + 2, q3, 64);
+    for (int ib = 0; ib < 8; ++ib)
+        for (int b = 0; b < 4; ++b) y[66 + 4 * ib + b] = (uint8_t)(sas[ib] >> (8 * b));
+}
+
+/* IQ3_S (ggml's quantize_row_iq3_s_impl, grid size 512, groups of 32). Layout (block_iq3_s,
+ * 110 bytes): fp16 d; qs[64] low 8 bits of the grid indices; qh[8] their 9th bits (group ib, bit
+ * k); signs[32] (8 bits per 8 values); scales[4] two 4-bit group scales per byte. As in ggml, a
+ * group whose values are all zero leaves the qs and signs cursors where they are (the following
+ * groups' indices and signs move up; qh does not). */
+static void iq3_s_block(const float *xbl, uint8_t *y, const float *qw) {
+    const iq3_tables *t = &IQ3T[1];
+    const int kmax = 8;
+    float scales[8], weight[32], xval[32], waux[32], max_scale = 0;
+    int8_t L[32], Laux[32];
+    int on[8], on_aux[8];
+    uint8_t bsg[4];
+    memset(y, 0, 110);
+    uint8_t *qs = y + 2, *qh = y + 66, *signs = y + 74, *sc = y + 106;
+    float sumx2 = 0;
+    for (int i = 0; i < QK; ++i) sumx2 += xbl[i] * xbl[i];
+    float sigma2 = 2 * sumx2 / QK;
+    for (int ib = 0; ib < 8; ++ib) {
+        const float *xb = xbl + 32 * ib;
+        if (qw) for (int i = 0; i < 32; ++i) weight[i] = qw[32 * ib + i] * sqrtf(sigma2 + xb[i] * xb[i]);
+        else for (int i = 0; i < 32; ++i) weight[i] = xb[i] * xb[i];
+        for (int i = 0; i < 32; ++i) waux[i] = sqrtf(weight[i]);
+        for (int k = 0; k < 4; ++k) {
+            uint8_t sg = 0;
+            for (int i = 0; i < 8; ++i) {
+                if (xb[8 * k + i] >= 0) xval[8 * k + i] = xb[8 * k + i];
+                else { xval[8 * k + i] = -xb[8 * k + i]; sg |= (uint8_t)(1 << i); }
+            }
+            bsg[k] = sg;
+        }
+        float mx = xval[0];
+        for (int i = 1; i < 32; ++i) mx = mx > xval[i] ? mx : xval[i];
+        memset(L, 0, 32);
+        if (!mx) { scales[ib] = 0; continue; }
+        float best = 0, scale = mx / (2 * kmax - 1);
+        for (int k = 0; k < 8; ++k) on[k] = 0;
+        for (int is = -9; is <= 9; ++is) {
+            float id = (2 * kmax - 1 + is * 0.2f) / mx, this_scale = 1 / id;
+            for (int k = 0; k < 8; ++k) {
+                for (int i = 0; i < 4; ++i) Laux[4 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[4 * k + i] - 1)), 0, kmax - 1);
+                int u = iq3_code(Laux + 4 * k);
+                on_aux[k] = t->map[u] >= 0;
+                if (!on_aux[k])
+                    iq3_best_neighbour(t, t->nb - t->map[u] - 1, xval + 4 * k, waux + 4 * k, this_scale, Laux + 4 * k);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * Laux[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                memcpy(L, Laux, 32);
+                memcpy(on, on_aux, sizeof on);
+            }
+        }
+        int n_off = 0;
+        for (int k = 0; k < 8; ++k) n_off += !on[k];
+        if (n_off > 0 && scale > 0) {  /* re-round every group of 4 at the final scale */
+            float id = 1 / scale;
+            for (int k = 0; k < 8; ++k) {
+                int8_t l4[4];
+                for (int i = 0; i < 4; ++i) l4[i] = (int8_t)clampi(rnd(0.5f * (id * xval[4 * k + i] - 1)), 0, kmax - 1);
+                int u = iq3_code(l4), gi = t->map[u];
+                if (gi < 0) gi = iq3_best_neighbour(t, t->nb - gi - 1, xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
+                for (int i = 0; i < 4; ++i) L[4 * k + i] = (int8_t)((t->grid[gi][i] - 1) / 2);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * L[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0) scale = sumqx / sumq2;
+        }
+        if (scale < 0) {
+            scale = -scale;
+            for (int k = 0; k < 4; ++k) bsg[k] = (uint8_t)~bsg[k];
+        }
+        for (int k = 0; k < 8; ++k) {
+            int gi = t->map[iq3_code(L + 4 * k)];
+            if (gi < 0) gi = 0;  /* always on the grid here */
+            qs[k] = (uint8_t)(gi & 255);
+            qh[(ib * 8 + k) / 8] |= (uint8_t)((gi >> 8) << ((ib * 8 + k) % 8));
+        }
+        qs += 8;
+        memcpy(signs, bsg, 4);
+        signs += 4;
+        scales[ib] = scale;
+        max_scale = max_scale > scale ? max_scale : scale;
+    }
+    if (!max_scale) return;
+    float d = max_scale / 31;
+    put_half(y, d * 1.033f);
+    float id = 1 / d;
+    for (int ib = 0; ib < 8; ib += 2) {
+        int l1 = clampi(rnd(0.5f * (id * scales[ib] - 1)), 0, 15), l2 = clampi(rnd(0.5f * (id * scales[ib + 1] - 1)), 0, 15);
+        sc[ib / 2] = (uint8_t)(l1 | (l2 << 4));
+    }
+}
+
+/* ---- IQ2_XXS and IQ2_XS (ggml's quantize_row_iq2_xxs_impl / _xs_impl; weights required) ----
+ * Layout (block_iq2_xxs, 66 bytes): fp16 d; per group of 32 two little-endian uint32: four grid
+ * indices (one per 8 values), then four 7-bit sign masks (8th sign: the parity) and a 4-bit
+ * scale in bits 28..31. Grid points: 8 two-bit levels l (value 2l + 1), level i in bits 2i. */
+static const uint16_t IQ2XXS_KGRID[256] = {
+        0,     2,     5,     8,    10,    17,    20,    32,    34,    40,    42,    65,    68,    80,    88,    97,
+      100,   128,   130,   138,   162,   257,   260,   272,   277,   320,   388,   408,   512,   514,   546,   642,
+     1025,  1028,  1040,  1057,  1060,  1088,  1090,  1096,  1120,  1153,  1156,  1168,  1188,  1280,  1282,  1288,
+     1312,  1350,  1385,  1408,  1425,  1545,  1552,  1600,  1668,  1700,  2048,  2053,  2056,  2068,  2088,  2113,
+     2116,  2128,  2130,  2184,  2308,  2368,  2562,  2580,  4097,  4100,  4112,  4129,  4160,  4192,  4228,  4240,
+     4245,  4352,  4360,  4384,  4432,  4442,  4480,  4644,  4677,  5120,  5128,  5152,  5157,  5193,  5248,  5400,
+     5474,  5632,  5654,  6145,  6148,  6160,  6208,  6273,  6400,  6405,  6560,  6737,  8192,  8194,  8202,  8260,
+     8289,  8320,  8322,  8489,  8520,  8704,  8706,  9217,  9220,  9232,  9280,  9302,  9472,  9537,  9572,  9872,
+    10248, 10272, 10388, 10820, 16385, 16388, 16400, 16408, 16417, 16420, 16448, 16456, 16470, 16480, 16513, 16516,
+    16528, 16640, 16672, 16737, 16768, 16773, 16897, 16912, 16968, 16982, 17000, 17408, 17416, 17440, 17536, 17561,
+    17682, 17700, 17920, 18433, 18436, 18448, 18496, 18501, 18688, 18776, 18785, 18818, 19013, 19088, 20480, 20488,
+    20497, 20505, 20512, 20608, 20616, 20740, 20802, 20900, 21137, 21648, 21650, 21770, 22017, 22100, 22528, 22545,
+    22553, 22628, 22848, 23048, 24580, 24592, 24640, 24680, 24832, 24917, 25112, 25184, 25600, 25605, 25872, 25874,
+    25988, 26690, 32768, 32770, 32778, 32833, 32898, 33028, 33048, 33088, 33297, 33793, 33796, 33808, 33813, 33856,
+    33888, 34048, 34118, 34196, 34313, 34368, 34400, 34818, 35076, 35345, 36868, 36880, 36900, 36928, 37025, 37142,
+    37248, 37445, 37888, 37922, 37956, 38225, 39041, 39200, 40962, 41040, 41093, 41225, 41472, 42008, 43088, 43268,
+};
+#define IQ2_MAP 43692  /* codes of 8 levels in 0..2 fit below 2 * (4^8 - 1) / 3 + 2 */
+/* IQ2_XS's 512 grid points, the same encoding */
+static const uint16_t IQ2XS_KGRID[512] = {
+        0,     2,     5,     8,    10,    17,    20,    22,    25,    32,    34,    37,    40,    65,    68,    70,
+       73,    80,    82,    85,    88,    97,   100,   128,   130,   133,   136,   145,   148,   153,   160,   257,
+      260,   262,   265,   272,   274,   277,   280,   282,   289,   292,   320,   322,   325,   328,   337,   340,
+      352,   360,   385,   388,   400,   512,   514,   517,   520,   529,   532,   544,   577,   580,   592,   597,
+      640,   650,  1025,  1028,  1030,  1033,  1040,  1042,  1045,  1048,  1057,  1060,  1088,  1090,  1093,  1096,
+     1105,  1108,  1110,  1120,  1153,  1156,  1168,  1280,  1282,  1285,  1288,  1297,  1300,  1312,  1345,  1348,
+     1360,  1377,  1408,  1537,  1540,  1552,  1574,  1600,  1602,  1668,  2048,  2050,  2053,  2056,  2058,  2065,
+     2068,  2080,  2085,  2113,  2116,  2128,  2136,  2176,  2208,  2218,  2305,  2308,  2320,  2368,  2433,  2441,
+     2560,  2592,  2600,  2710,  2720,  4097,  4100,  4102,  4105,  4112,  4114,  4117,  4120,  4129,  4132,  4160,
+     4162,  4165,  4168,  4177,  4180,  4192,  4202,  4225,  4228,  4240,  4352,  4354,  4357,  4360,  4369,  4372,
+     4384,  4417,  4420,  4432,  4480,  4500,  4502,  4609,  4612,  4614,  4624,  4672,  4704,  5120,  5122,  5125,
+     5128,  5137,  5140,  5152,  5185,  5188,  5193,  5200,  5220,  5248,  5377,  5380,  5392,  5440,  5632,  5652,
+     5705,  6145,  6148,  6160,  6162,  6208,  6228,  6278,  6400,  6405,  6502,  6737,  6825,  8192,  8194,  8197,
+     8200,  8202,  8209,  8212,  8224,  8257,  8260,  8272,  8320,  8352,  8449,  8452,  8464,  8512,  8520,  8549,
+     8704,  8738,  8832,  8872,  9217,  9220,  9232,  9257,  9280,  9472,  9537,  9554,  9625,  9729,  9754,  9894,
+    10240, 10248, 10250, 10272, 10325, 10376, 10402, 10600, 10640, 10760, 10784, 10882, 10888, 10890, 16385, 16388,
+    16390, 16393, 16400, 16402, 16405, 16408, 16417, 16420, 16448, 16450, 16453, 16456, 16458, 16465, 16468, 16480,
+    16485, 16513, 16516, 16528, 16640, 16642, 16645, 16648, 16657, 16660, 16672, 16705, 16708, 16720, 16768, 16773,
+    16802, 16897, 16900, 16912, 16914, 16937, 16960, 17408, 17410, 17413, 17416, 17425, 17428, 17433, 17440, 17473,
+    17476, 17488, 17536, 17556, 17665, 17668, 17680, 17700, 17728, 17818, 17920, 17930, 17988, 18000, 18433, 18436,
+    18448, 18496, 18501, 18516, 18530, 18688, 18705, 18756, 18768, 18793, 18948, 20480, 20482, 20485, 20488, 20497,
+    20500, 20512, 20520, 20545, 20548, 20560, 20608, 20737, 20740, 20752, 20757, 20800, 20802, 20992, 21060, 21162,
+    21505, 21508, 21520, 21537, 21568, 21600, 21633, 21665, 21760, 21768, 21888, 21896, 22049, 22120, 22177, 22528,
+    22548, 22593, 22608, 22681, 22810, 22848, 22850, 23173, 24577, 24580, 24592, 24640, 24660, 24674, 24710, 24745,
+    24832, 25124, 25162, 25234, 25600, 25622, 25872, 25920, 25925, 26020, 26625, 26730, 26917, 27142, 27220, 27234,
+    32768, 32770, 32773, 32776, 32785, 32788, 32800, 32810, 32833, 32836, 32848, 32896, 32898, 32936, 32938, 33025,
+    33028, 33030, 33040, 33088, 33105, 33113, 33280, 33312, 33408, 33410, 33440, 33448, 33793, 33796, 33808, 33810,
+    33813, 33856, 33888, 33929, 34048, 34116, 34213, 34328, 34410, 34816, 34824, 34853, 34906, 34944, 34946, 34984,
+    35078, 35362, 35456, 35464, 35478, 35496, 36865, 36868, 36880, 36928, 36950, 36996, 37120, 37154, 37220, 37462,
+    37513, 37888, 37893, 37956, 37968, 37976, 38185, 38288, 38290, 38465, 38993, 39078, 39241, 39445, 39520, 40960,
+    40962, 40968, 40970, 40992, 41002, 41120, 41297, 41305, 41382, 41472, 41474, 41480, 41514, 41600, 41632, 42048,
+    42133, 42597, 42648, 43018, 43040, 43042, 43048, 43168, 43176, 43268, 43396, 43398, 43560, 43562, 43665, 43690,
+};
+typedef struct {
+    int8_t grid[512][8];
+    int map[IQ2_MAP];
+    uint16_t *nb;
+    volatile int ready;
+} iq2_tables;
+static iq2_tables IQ2T[2];  /* 0: IQ2_XXS (256 points), 1: IQ2_XS (512) */
+
+/* the code -> grid index map and, for every code off the grid, the points at the 2 smallest
+ * squared distances ordered by (distance, index) (ggml's iq2xs_init_impl for these two) */
+static int iq2_init(int which) {
+    iq2_tables *t = &IQ2T[which];
+    if (t->ready) return 0;
+    int rc = 0;
+#pragma omp critical(hz_iq2_init)
+    if (!t->ready) {
+        const uint16_t *kg = which ? IQ2XS_KGRID : IQ2XXS_KGRID;
+        int ng = which ? 512 : 256;
+        for (int k = 0; k < ng; ++k)
+            for (int i = 0; i < 8; ++i) t->grid[k][i] = (int8_t)(2 * ((kg[k] >> (2 * i)) & 3) + 1);
+        for (int u = 0; u < IQ2_MAP; ++u) t->map[u] = -1;
+        for (int k = 0; k < ng; ++k) t->map[kg[k]] = k;
+        size_t cap = (size_t)IQ2_MAP * 8, used = 0;
+        uint16_t *nb = (uint16_t *)malloc(cap * sizeof(uint16_t));
+        for (int u = 0; u < IQ2_MAP && nb; ++u) {
+            if (t->map[u] >= 0) continue;
+            int d2[512], b1 = 1 << 30, b2 = 1 << 30;
+            for (int j = 0; j < ng; ++j) {
+                int d = 0;
+                for (int i = 0; i < 8; ++i) {
+                    int e = t->grid[j][i] - (2 * ((u >> (2 * i)) & 3) + 1);
+                    d += e * e;
+                }
+                d2[j] = d;
+                if (d < b1) { b2 = b1; b1 = d; }
+                else if (d > b1 && d < b2) b2 = d;
+            }
+            if (used + (size_t)ng + 1 > cap) {
+                cap *= 2;
+                uint16_t *tmp = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
+                if (!tmp) { free(nb); nb = NULL; break; }
+                nb = tmp;
+            }
+            t->map[u] = -1 - (int)used;
+            size_t start = used++;
+            for (int j = 0; j < ng; ++j) if (d2[j] == b1) nb[used++] = (uint16_t)j;
+            for (int j = 0; j < ng; ++j) if (d2[j] == b2) nb[used++] = (uint16_t)j;
+            nb[start] = (uint16_t)(used - start - 1);
+        }
+        if (nb) { t->nb = nb; t->ready = 1; } else rc = -4;
+    }
+    return rc;
+}
+
+/* ggml's iq2_find_best_neighbour */
+static int iq2_best_neighbour(const iq2_tables *t, const uint16_t *nb, const float *xval, const float *w,
+                              float scale, int8_t *L) {
+    int n = nb[0], gi = -1;
+    float best = FLT_MAX;
+    for (int j = 1; j <= n; ++j) {
+        const int8_t *pg = t->grid[nb[j]];
+        float d2 = 0;
+        for (int i = 0; i < 8; ++i) {
+            float q = pg[i];
+            float diff = scale * q - xval[i];
+            d2 += w[i] * diff * diff;
+        }
+        if (d2 < best) { best = d2; gi = nb[j]; }
+    }
+    if (gi < 0) gi = nb[1];  /* all errors inf/NaN (ggml aborts there) */
+    for (int i = 0; i < 8; ++i) L[i] = (int8_t)((t->grid[gi][i] - 1) / 2);
+    return gi;
+}
+
+static inline int iq2_code(const int8_t *L) {
+    int u = 0;
+    for (int i = 0; i < 8; ++i) u |= L[i] << (2 * i);
+    return u;
+}
+
+static void iq2_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
+    const iq2_tables *t = &IQ2T[0];
+    const int kmax = 3;
+    float scales[8], weight[32], xval[32], waux[32], max_scale = 0;
+    int8_t L[32], Laux[32];
+    uint8_t signs[4];
+    uint32_t q2[16];
+    memset(q2, 0, sizeof q2);
+    float sumx2 = 0;
+    for (int i = 0; i < QK; ++i) sumx2 += xbl[i] * xbl[i];
+    float sigma2 = sumx2 / QK;
+    for (int ib = 0; ib < 8; ++ib) {
+        const float *xb = xbl + 32 * ib;
+        for (int i = 0; i < 32; ++i) weight[i] = qw[32 * ib + i] * sqrtf(sigma2 + xb[i] * xb[i]);
+        for (int i = 0; i < 32; ++i) waux[i] = sqrtf(weight[i]);
+        for (int k = 0; k < 4; ++k) {
+            int nflip = 0;
+            uint8_t sg = 0;
+            for (int i = 0; i < 8; ++i) {
+                if (xb[8 * k + i] >= 0) xval[8 * k + i] = xb[8 * k + i];
+                else { xval[8 * k + i] = -xb[8 * k + i]; ++nflip; sg |= (uint8_t)(1 << i); }
+            }
+            if (nflip % 2) {
+                int imin = 0;
+                float mn = weight[8 * k] * xb[8 * k] * xb[8 * k];
+                for (int i = 1; i < 8; ++i) {
+                    float ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
+                    if (ax < mn) { mn = ax; imin = i; }
+                }
+                xval[8 * k + imin] = -xval[8 * k + imin];
+                sg ^= (uint8_t)(1 << imin);
+            }
+            signs[k] = sg & 127;
+        }
+        float mx = xval[0];
+        for (int i = 1; i < 32; ++i) mx = mx > xval[i] ? mx : xval[i];
+        if (mx < EPS) { scales[ib] = 0; continue; }
+        float scale = qp(32, kmax + 1, xval, (uint8_t *)L, weight), eff_max = scale * kmax;
+        if (eff_max <= 0) { scales[ib] = 0; continue; }
+        float best = 0;
+        for (int is = -6; is <= 6; ++is) {
+            float id = (2 * kmax - 1 + is * 0.1f) / eff_max, this_scale = 1 / id;
+            for (int k = 0; k < 4; ++k) {
+                for (int i = 0; i < 8; ++i) Laux[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
+                int u = iq2_code(Laux + 8 * k);
+                if (t->map[u] < 0)
+                    iq2_best_neighbour(t, t->nb - t->map[u] - 1, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * Laux[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                memcpy(L, Laux, 32);
+            }
+        }
+        if (scale > 0) {  /* every group re-rounded at the final scale */
+            float id = 1 / scale;
+            for (int k = 0; k < 4; ++k) {
+                int8_t l8[8];
+                for (int i = 0; i < 8; ++i) l8[i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
+                int gi = t->map[iq2_code(l8)];
+                if (gi < 0) gi = iq2_best_neighbour(t, t->nb - gi - 1, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
+                for (int i = 0; i < 8; ++i) L[8 * k + i] = (int8_t)((t->grid[gi][i] - 1) / 2);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 32; ++i) {
+                float w = weight[i], q = 2 * L[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0) scale = sumqx / sumq2;
+        }
+        if (scale < 0) {
+            scale = -scale;
+            for (int k = 0; k < 4; ++k) signs[k] = (uint8_t)((~signs[k]) & 127);
+        }
+        for (int k = 0; k < 4; ++k) {
+            int gi = t->map[iq2_code(L + 8 * k)];
+            if (gi < 0) gi = 0;  /* always on the grid here */
+            q2[2 * ib] |= (uint32_t)gi << (8 * k);
+            q2[2 * ib + 1] |= (uint32_t)signs[k] << (7 * k);
+        }
+        scales[ib] = scale;
+        max_scale = max_scale > scale ? max_scale : scale;
+    }
+    if (!max_scale) { memset(y, 0, 66); return; }
+    float d = max_scale / 31;
+    put_half(y, d);
+    float id = 1 / d;
+    for (int ib = 0; ib < 8; ++ib) {
+        int l = clampi(rnd(0.5f * (id * scales[ib] - 1)), 0, 15);
+        q2[2 * ib + 1] |= (uint32_t)l << 28;
+    }
+    for (int j = 0; j < 16; ++j)
+        for (int b = 0; b < 4; ++b) y[2 + 4 * j + b] = (uint8_t)(q2[j] >> (8 * b));
+}
+
+/* IQ2_XS (ggml's quantize_row_iq2_xs_impl; importance weights required). Layout (block_iq2_xs,
+ * 74 bytes): fp16 d; 32 little-endian uint16, one per 8 values: grid index (9 bits) | 7 sign
+ * bits << 9; 8 bytes of 4-bit scales, one per 16 values (even group: low nibble). */
+static void iq2_xs_block(const float *xbl, uint8_t *y, const float *qw) {
+    const iq2_tables *t = &IQ2T[1];
+    const int kmax = 3;
+    float scales[16], weight[16], xval[16], waux[16], max_scale = 0;
+    int8_t L[16], Laux[16];
+    int on[2], on_aux[2];
+    uint8_t signs[2];
+    uint16_t q2[32];
+    memset(q2, 0, sizeof q2);
+    memset(y, 0, 74);
+    float sumx2 = 0;
+    for (int i = 0; i < QK; ++i) sumx2 += xbl[i] * xbl[i];
+    float sigma2 = sumx2 / QK;
+    for (int ib = 0; ib < 16; ++ib) {
+        const float *xb = xbl + 16 * ib;
+        for (int i = 0; i < 16; ++i) weight[i] = qw[16 * ib + i] * sqrtf(sigma2 + xb[i] * xb[i]);
+        for (int i = 0; i < 16; ++i) waux[i] = sqrtf(weight[i]);
+        for (int k = 0; k < 2; ++k) {
+            int nflip = 0;
+            uint8_t sg = 0;
+            for (int i = 0; i < 8; ++i) {
+                if (xb[8 * k + i] >= 0) xval[8 * k + i] = xb[8 * k + i];
+                else { xval[8 * k + i] = -xb[8 * k + i]; ++nflip; sg |= (uint8_t)(1 << i); }
+            }
+            if (nflip % 2) {
+                int imin = 0;
+                float mn = weight[8 * k] * xb[8 * k] * xb[8 * k];
+                for (int i = 1; i < 8; ++i) {
+                    float ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
+                    if (ax < mn) { mn = ax; imin = i; }
+                }
+                xval[8 * k + imin] = -xval[8 * k + imin];
+                sg ^= (uint8_t)(1 << imin);
+            }
+            signs[k] = sg & 127;
+        }
+        float mx = xval[0];
+        for (int i = 1; i < 16; ++i) mx = mx > xval[i] ? mx : xval[i];
+        memset(L, 0, 16);
+        if (mx < EPS) { scales[ib] = 0; continue; }
+        float best = 0, scale = mx / (2 * kmax - 1);
+        on[0] = on[1] = 1;
+        for (int is = -9; is <= 9; ++is) {
+            float id = (2 * kmax - 1 + is * 0.1f) / mx, this_scale = 1 / id;
+            for (int k = 0; k < 2; ++k) {
+                for (int i = 0; i < 8; ++i) Laux[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
+                int u = iq2_code(Laux + 8 * k);
+                on_aux[k] = t->map[u] >= 0;
+                if (!on_aux[k])
+                    iq2_best_neighbour(t, t->nb - t->map[u] - 1, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 16; ++i) {
+                float w = weight[i], q = 2 * Laux[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+                scale = sumqx / sumq2;
+                best = scale * sumqx;
+                memcpy(L, Laux, 16);
+                on[0] = on_aux[0]; on[1] = on_aux[1];
+            }
+        }
+        if ((!on[0] || !on[1]) && scale > 0) {  /* the off-grid groups re-rounded at the final scale */
+            float id = 1 / scale;
+            for (int k = 0; k < 2; ++k) {
+                if (on[k]) continue;
+                for (int i = 0; i < 8; ++i) L[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
+                int gi = t->map[iq2_code(L + 8 * k)];
+                if (gi < 0) iq2_best_neighbour(t, t->nb - gi - 1, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
+            }
+            float sumqx = 0, sumq2 = 0;
+            for (int i = 0; i < 16; ++i) {
+                float w = weight[i], q = 2 * L[i] + 1;
+                sumqx += w * xval[i] * q;
+                sumq2 += w * q * q;
+            }
+            if (sumq2 > 0) scale = sumqx / sumq2;
+        }
+        if (scale < 0) {
+            scale = -scale;
+            for (int k = 0; k < 2; ++k) signs[k] = (uint8_t)((~signs[k]) & 127);
+        }
+        for (int k = 0; k < 2; ++k) {
+            int gi = t->map[iq2_code(L + 8 * k)];
+            if (gi < 0) gi = 0;  /* always on the grid here */
+            q2[2 * ib + k] = (uint16_t)(gi | (signs[k] << 9));
+        }
+        scales[ib] = scale;
+        max_scale = max_scale > scale ? max_scale : scale;
+    }
+    if (!max_scale) return;
+    float d = max_scale / 31;
+    put_half(y, d);
+    float id = 1 / d;
+    for (int j = 0; j < 32; ++j) { y[2 + 2 * j] = (uint8_t)(q2[j] & 0xff); y[3 + 2 * j] = (uint8_t)(q2[j] >> 8); }
+    for (int ib = 0; ib < 16; ++ib) {
+        int l = clampi(rnd(0.5f * (id * scales[ib] - 1)), 0, 15);
+        y[66 + ib / 2] |= (uint8_t)(ib % 2 ? l << 4 : l);
+    }
+}
+
 typedef void (*block_fn)(const float *, uint8_t *, const float *);
+
+/* 1 when the n floats at x are all finite (exponent bits not all ones) */
+static int all_finite(const float *x, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u; memcpy(&u, x + i, 4);
+        bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+    }
+    return !bad;
+}
 
 /* Quantize nrows rows of n_per_row floats at x into y, as ggml_quantize_chunk(type_id, ...) does:
  * type_id is ggml's (10..14: Q2_K..Q6_K, 20: IQ4_NL, 23: IQ4_XS; 2, 3, 6, 7: Q4_0, Q4_1, Q5_0,
- * Q5_1 with weights only); qw, when not NULL, holds n_per_row importance weights shared by every
- * row. Returns 0, -1 for an unknown type (or a legacy type without weights), -2 for a row length
- * that is not a block multiple. */
+ * Q5_1 with weights only; 18: IQ3_XXS, 21: IQ3_S; 16, 17: IQ2_XXS, IQ2_XS, weights required); qw, when not NULL, holds n_per_row importance weights shared by every
+ * row. Each block is checked for non-finite values as it is quantized. Returns 0, -1 for an
+ * unknown type (or a legacy type without weights), -2 for a row length that is not a block
+ * multiple, -3 when x holds a non-finite value (y is then partly written), -4 when a table
+ * could not be allocated, -5 for a type that needs weights called without. */
 int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int64_t n_per_row,
                      const float *qw, int nthreads) {
     block_fn f;
-    int bs = QK, ts;
+    int bs = QK, ts, bad = 0;
     if (type_id == 2 || type_id == 3 || type_id == 6 || type_id == 7) {
         if (!qw) return -1;  /* without weights these are ggml's _ref quantizers, not here */
         if (n_per_row <= 0 || n_per_row % 32) return -2;
         int64_t rb = n_per_row / 32 * (type_id == 2 ? 18 : type_id == 3 ? 20 : type_id == 6 ? 22 : 24);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t r = 0; r < nrows; ++r) legacy_row_w(type_id, x + r * n_per_row, y + r * rb, n_per_row, qw);
-        return 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(|:bad)
+        for (int64_t r = 0; r < nrows; ++r) {
+            if (!all_finite(x + r * n_per_row, n_per_row)) { bad = 1; continue; }
+            legacy_row_w(type_id, x + r * n_per_row, y + r * rb, n_per_row, qw);
+        }
+        return bad ? -3 : 0;
     }
     switch (type_id) {
     case 10: f = q2_k_any; ts = 84; break;
@@ -766,18 +1678,24 @@ int hz_quantize_rows(int type_id, const float *x, uint8_t *y, int64_t nrows, int
     case 14: f = q6_k_block; ts = 210; break;
     case 20: f = iq4_nl_block; bs = 32; ts = 18; break;
     case 23: f = iq4_xs_block; ts = 136; break;
+    case 18: f = iq3_xxs_block; ts = 98; if (iq3_init(0)) return -4; break;
+    case 21: f = iq3_s_block; ts = 110; if (iq3_init(1)) return -4; break;
+    case 16: if (!qw) return -5; f = iq2_xxs_block; ts = 66; if (iq2_init(0)) return -4; break;
+    case 17: if (!qw) return -5; f = iq2_xs_block; ts = 74; if (iq2_init(1)) return -4; break;
     default: return -1;
     }
     if (n_per_row <= 0 || n_per_row % bs) return -2;
     int64_t per_row = n_per_row / bs, n = nrows * per_row;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t i = 0; i < n; ++i)
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(|:bad)
+    for (int64_t i = 0; i < n; ++i) {
+        if (!all_finite(x + i * bs, bs)) { bad = 1; continue; }
         f(x + i * bs, y + i * ts, qw ? qw + (i % per_row) * bs : NULL);
-    return 0;
+    }
+    return bad ? -3 : 0;
 }
 
 /* Quantize n super-blocks of 256 floats at x into y without weights, nthreads threads.
- * kind: 2..6 for Q2_K..Q6_K. Returns 0, or -1 for an unknown kind. */
+ * kind: 2..6 for Q2_K..Q6_K. Returns 0, -1 for an unknown kind, -3 for a non-finite value. */
 int hz_quantize_k(int kind, const float *x, uint8_t *y, int64_t n, int nthreads) {
     if (kind < 2 || kind > 6) return -1;
     return hz_quantize_rows(8 + kind, x, y, n, QK, NULL, nthreads);

@@ -24,9 +24,13 @@ from .. import _native
 _PKG = Path(__file__).resolve().parents[1] / "_csrc" / "quant" / "kquants.c"
 SOURCE = _PKG if _PKG.is_file() else Path(__file__).resolve().parents[2] / "csrc" / "quant" / "kquants.c"
 KINDS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
-ROW_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+ROW_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 """The formats ``hz_quantize_rows`` quantizes (the last four with importance weights only)."""
 WEIGHTED_ONLY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
+KERNEL_ONLY = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS")
+"""Formats quantized by the C kernel only (no torch version)."""
+REQUIRES_WEIGHTS = ("IQ2_XXS", "IQ2_XS")
+"""Formats ggml quantizes only with importance weights (``ggml_quantize_requires_imatrix``)."""
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -52,6 +56,8 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     lib.hz_quantize_k.restype = ctypes.c_int
     lib.hz_quantize_k.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.hz_quant_set_simd.restype = ctypes.c_int
+    lib.hz_quant_set_simd.argtypes = [ctypes.c_int]
     lib.hz_quantize_rows.restype = ctypes.c_int
     lib.hz_quantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_int]
@@ -72,7 +78,9 @@ def _compile(cc: str, flags: list, so: Path) -> None:
 
 
 def library() -> Optional[ctypes.CDLL]:
-    """The loaded kernel library, or None (disabled, or it could not be built: see :func:`error`)."""
+    """The loaded kernel library, or None (disabled, or it could not be built: see :func:`error`).
+    Its AVX2 sub-block search is on where the CPU has AVX2 unless ``HANZO_QUANT_SIMD=0`` (read at
+    each call; the two paths give the same bytes)."""
     if not enabled():
         return None
     global _lib, _error
@@ -82,6 +90,8 @@ def library() -> Optional[ctypes.CDLL]:
                 _lib = _build()
             except (OSError, RuntimeError) as e:
                 _error = str(e)
+        if _lib is not None:
+            _lib.hz_quant_set_simd(0 if os.environ.get("HANZO_QUANT_SIMD", "1") == "0" else 1)
         return _lib
 
 
@@ -90,8 +100,18 @@ def error() -> Optional[str]:
     return _error
 
 
+def raise_non_finite(blocks: torch.Tensor, name: str) -> None:
+    """Raise the ValueError naming the first non-finite value of ``blocks [n, block_size]``."""
+    bad = (~torch.isfinite(blocks)).nonzero()[0].tolist()
+    raise ValueError(f"{name}: cannot quantize non-finite values (block {bad[0]}, value {bad[1]})")
+
+
 def quantize(x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
-    """Quantize finite float32 super-blocks ``x [n, 256]`` on the CPU to ``name``; None if unavailable."""
+    """Quantize float32 super-blocks ``x [n, 256]`` on the CPU to ``name``; None if unavailable.
+
+    Raises:
+        ValueError: a non-finite value (the kernel checks each block as it quantizes it).
+    """
     lib = library()
     if lib is None or x.device.type != "cpu":
         return None
@@ -100,6 +120,8 @@ def quantize(x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
     x = x.contiguous()
     out = torch.empty(x.shape[0], fmt.type_size, dtype=torch.uint8)
     rc = lib.hz_quantize_k(KINDS[name], x.data_ptr(), out.data_ptr(), x.shape[0], max(1, torch.get_num_threads()))
+    if rc == -3:
+        raise_non_finite(x, name)
     if rc != 0:
         raise RuntimeError(f"hz_quantize_k({name}) returned {rc}")
     return out
@@ -121,6 +143,8 @@ def quantize_rows(x: torch.Tensor, name: str, quant_weights: Optional[torch.Tens
         qw = quant_weights.to(torch.float32).contiguous()
     rc = lib.hz_quantize_rows(fmt.type_id, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                               None if qw is None else qw.data_ptr(), max(1, torch.get_num_threads()))
+    if rc == -3:
+        raise_non_finite(x.reshape(-1, fmt.block_size), name)
     if rc != 0:
         raise RuntimeError(f"hz_quantize_rows({name}) returned {rc}")
     return out

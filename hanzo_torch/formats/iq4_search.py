@@ -168,16 +168,25 @@ def quantize_rows(x: torch.Tensor, name: str, quant_weights: Optional[torch.Tens
     k = x.shape[1]
     fmt.row_bytes(k)
     bs = fmt.block_size
-    blocks = kquant_search._checked(x.reshape(-1, bs), name).reshape(x.shape[0], k)
+    blocks = check_values(x.reshape(-1, bs), name).reshape(x.shape[0], k)
     qw = None if quant_weights is None else _checked_weights(quant_weights, k, name).to(x.device)
+    if qw is None and name in _kquant_native.REQUIRES_WEIGHTS:
+        raise ValueError(f"{name} needs importance weights (quant_weights, an imatrix), as ggml's quantizer does")
     if not x.shape[0]:
         return torch.empty(0, fmt.row_bytes(k), dtype=torch.uint8, device=x.device)
-    if qw is None and name in _kquant_native.WEIGHTED_ONLY:
-        return fmt.quantize_blocks(x.reshape(-1, bs)).reshape(x.shape[0], -1)
-    if x.device.type == "cpu" and not kquant_search.EMULATE_FMA:
-        out = _kquant_native.quantize_rows(blocks, name, qw)
+    if x.device.type == "cpu" and not kquant_search.EMULATE_FMA and not (
+            qw is None and name in _kquant_native.WEIGHTED_ONLY):
+        out = _kquant_native.quantize_rows(blocks, name, qw)  # checks finiteness itself
         if out is not None:
             return out
+    blocks = kquant_search._checked(blocks.reshape(-1, bs), name).reshape(x.shape[0], k)
+    if qw is None and name in _kquant_native.WEIGHTED_ONLY:
+        return fmt.quantize_blocks(x.reshape(-1, bs)).reshape(x.shape[0], -1)
+    if name in _kquant_native.KERNEL_ONLY:
+        raise NotImplementedError(
+            f"{name} needs the C kernel (csrc/quant/kquants.c on a CPU tensor, HANZO_QUANT_NATIVE not 0, "
+            f"kquant_search.EMULATE_FMA False): it has no torch version" + (
+                f"; the kernel failed to build: {_kquant_native.error()}" if _kquant_native.error() else ""))
     if name not in ("IQ4_NL", "IQ4_XS"):
         if qw is None:
             return fmt.quantize_blocks(x.reshape(-1, bs)).reshape(x.shape[0], -1)
@@ -220,3 +229,7 @@ def _blocks_fn(name: str):
 
 quantize_iq4_nl = _blocks_fn("IQ4_NL")
 quantize_iq4_xs = _blocks_fn("IQ4_XS")
+quantize_iq3_xxs = _blocks_fn("IQ3_XXS")
+quantize_iq3_s = _blocks_fn("IQ3_S")
+quantize_iq2_xxs = _blocks_fn("IQ2_XXS")  # raises: IQ2_XXS needs weights
+quantize_iq2_xs = _blocks_fn("IQ2_XS")  # raises: IQ2_XS needs weights

@@ -276,13 +276,17 @@ def _iq(name, fn, layout, tables, group_len, vec_dot_type="q8_K", quantize=None,
                                 group_len=group_len, quantize_weighted=weighted))
 
 
-IQ2_XXS = _iq("IQ2_XXS", _iq2_xxs_dequantize, _IQ2_XXS, {"grid": _GRID_IQ2_XXS}, 32)
-IQ2_XS = _iq("IQ2_XS", _iq2_xs_dequantize, _IQ2_XS, {"grid": _GRID_IQ2_XS}, 16)
-IQ3_XXS = _iq("IQ3_XXS", _iq3_xxs_dequantize, _IQ3_XXS, {"grid": _GRID_IQ3_XXS}, 32)
+IQ2_XXS = _iq("IQ2_XXS", _iq2_xxs_dequantize, _IQ2_XXS, {"grid": _GRID_IQ2_XXS}, 32,
+              quantize=iq4_search.quantize_iq2_xxs, weighted=iq4_search.WEIGHTED["IQ2_XXS"])
+IQ2_XS = _iq("IQ2_XS", _iq2_xs_dequantize, _IQ2_XS, {"grid": _GRID_IQ2_XS}, 16,
+             quantize=iq4_search.quantize_iq2_xs, weighted=iq4_search.WEIGHTED["IQ2_XS"])
+IQ3_XXS = _iq("IQ3_XXS", _iq3_xxs_dequantize, _IQ3_XXS, {"grid": _GRID_IQ3_XXS}, 32,
+              quantize=iq4_search.quantize_iq3_xxs, weighted=iq4_search.WEIGHTED["IQ3_XXS"])
 IQ1_S = _iq("IQ1_S", _iq1_s_dequantize, _IQ1_S, {"grid": _GRID_IQ1}, 32)
 IQ4_NL = _iq("IQ4_NL", _iq4_nl_dequantize, _IQ4_NL, {"kvalues": _KVALUES_IQ4}, 32, vec_dot_type="q8_0",
              quantize=iq4_search.quantize_iq4_nl, weighted=iq4_search.WEIGHTED["IQ4_NL"])
-IQ3_S = _iq("IQ3_S", _iq3_s_dequantize, _IQ3_S, {"grid": _GRID_IQ3_S}, 32)
+IQ3_S = _iq("IQ3_S", _iq3_s_dequantize, _IQ3_S, {"grid": _GRID_IQ3_S}, 32,
+            quantize=iq4_search.quantize_iq3_s, weighted=iq4_search.WEIGHTED["IQ3_S"])
 IQ2_S = _iq("IQ2_S", _iq2_s_dequantize, _IQ2_S, {"grid": _GRID_IQ2_S}, 16)
 IQ4_XS = _iq("IQ4_XS", _iq4_xs_dequantize, _IQ4_XS, {"kvalues": _KVALUES_IQ4}, 32,
              quantize=iq4_search.quantize_iq4_xs, weighted=iq4_search.WEIGHTED["IQ4_XS"])

@@ -264,11 +264,12 @@ def _chunked(fn):
     name = fn.__name__[1:5].upper()
 
     def run(blocks: torch.Tensor) -> torch.Tensor:
-        x = _checked(blocks, name)
+        x = check_values(blocks, name)
         if x.device.type == "cpu" and not EMULATE_FMA and x.shape[0]:
-            out = _kquant_native.quantize(x, name)
+            out = _kquant_native.quantize(x, name)  # checks finiteness itself
             if out is not None:
                 return out
+        x = _checked(x, name)
         if x.shape[0] <= _CHUNK:
             return fn(x)
         return torch.cat([fn(x[s:s + _CHUNK]) for s in range(0, x.shape[0], _CHUNK)])
