@@ -233,3 +233,4 @@ quantize_iq3_xxs = _blocks_fn("IQ3_XXS")
 quantize_iq3_s = _blocks_fn("IQ3_S")
 quantize_iq2_xxs = _blocks_fn("IQ2_XXS")  # raises: IQ2_XXS needs weights
 quantize_iq2_xs = _blocks_fn("IQ2_XS")  # raises: IQ2_XS needs weights
+quantize_iq2_s = _blocks_fn("IQ2_S")

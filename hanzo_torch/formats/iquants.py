@@ -287,7 +287,8 @@ IQ4_NL = _iq("IQ4_NL", _iq4_nl_dequantize, _IQ4_NL, {"kvalues": _KVALUES_IQ4}, 3
              quantize=iq4_search.quantize_iq4_nl, weighted=iq4_search.WEIGHTED["IQ4_NL"])
 IQ3_S = _iq("IQ3_S", _iq3_s_dequantize, _IQ3_S, {"grid": _GRID_IQ3_S}, 32,
             quantize=iq4_search.quantize_iq3_s, weighted=iq4_search.WEIGHTED["IQ3_S"])
-IQ2_S = _iq("IQ2_S", _iq2_s_dequantize, _IQ2_S, {"grid": _GRID_IQ2_S}, 16)
+IQ2_S = _iq("IQ2_S", _iq2_s_dequantize, _IQ2_S, {"grid": _GRID_IQ2_S}, 16,
+            quantize=iq4_search.quantize_iq2_s, weighted=iq4_search.WEIGHTED["IQ2_S"])
 IQ4_XS = _iq("IQ4_XS", _iq4_xs_dequantize, _IQ4_XS, {"kvalues": _KVALUES_IQ4}, 32,
              quantize=iq4_search.quantize_iq4_xs, weighted=iq4_search.WEIGHTED["IQ4_XS"])
 IQ1_M = _iq("IQ1_M", _iq1_m_dequantize, _IQ1_M, {"grid": _GRID_IQ1}, 8)
