@@ -3,8 +3,9 @@
 Block layouts are ggml's (``ggml-common.h``, ``block_iq*``); the dequantization formulas and
 their float32 operation order are those of ``gguf.quants`` (the numpy oracle), which every
 function here repeats, so the results are bit-identical to it. Of the i-quants hanzo-torch
-quantizes IQ4_NL and IQ4_XS (:mod:`hanzo_torch.formats.iq4_search`, byte-identical to ggml's);
-the codebook i-quants (IQ1_S .. IQ3_S) have no quantizer here.
+quantizes IQ4_NL and IQ4_XS (:mod:`hanzo_torch.formats.iq4_search`, byte-identical to ggml's)
+and, in the C kernel only (``csrc/quant/kquants.c``, which holds ggml's quantization grids as
+level codes), IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS and IQ2_S; IQ1_S and IQ1_M have no quantizer here.
 
 The codebooks (grids) and the IQ4 non-linear levels are read from the ``gguf`` package at
 import (``gguf.quants.<TYPE>.init_grid()`` / ``.grid``, ``.kvalues``), turned into torch tensors
