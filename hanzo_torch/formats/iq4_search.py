@@ -26,7 +26,8 @@ import torch
 from . import _kquant_native, kquant_search
 from ._bits import check_values
 
-__all__ = ["quantize_iq4_nl", "quantize_iq4_xs"]
+__all__ = ["quantize_iq4_nl", "quantize_iq4_xs", "quantize_iq3_xxs", "quantize_iq3_s", "quantize_iq2_xxs", "quantize_iq2_xs",
+           "quantize_iq2_s", "quantize_rows"]
 
 GROUP = 32
 NTRY = 7
