@@ -1,4 +1,4 @@
-"""Properties of the codebook i-quant quantizers (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS; C kernel only), default suite.
+"""Properties of the codebook i-quant quantizers (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S; C kernel only), default suite.
 
 Their oracle is ggml's own quantizer (tests/test_kquant_oracle.py, slow, needs libggml-base);
 here: round-trip error bounds through gguf's dequantizer (an independent decoder of the bytes),
@@ -15,11 +15,11 @@ import hanzo_torch
 from hanzo_torch.formats import _kquant_native
 from test_kquant_quantize import _gen, _rel_rms
 
-CODEBOOK = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS"]
+CODEBOOK = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"]
 NEEDS_WEIGHTS = ("IQ2_XXS", "IQ2_XS")  # as ggml_quantize_requires_imatrix
 # relative RMS error of dequantize(quantize(x)) on Gaussian rows (IQ2_XXS: unit weights);
-# measured 0.213, 0.166, 0.343, 0.299: ~15 % room
-RMS_BOUND = {"IQ3_XXS": 0.245, "IQ3_S": 0.19, "IQ2_XXS": 0.395, "IQ2_XS": 0.345}
+# measured 0.213, 0.166, 0.343, 0.299, 0.265: ~15 % room
+RMS_BOUND = {"IQ3_XXS": 0.245, "IQ3_S": 0.19, "IQ2_XXS": 0.395, "IQ2_XS": 0.345, "IQ2_S": 0.305}
 
 
 def _q(x, name, w=None):

@@ -26,7 +26,8 @@ import torch
 from . import _kquant_native, kquant_search
 from ._bits import check_values
 
-__all__ = ["quantize_iq4_nl", "quantize_iq4_xs"]
+__all__ = ["quantize_iq4_nl", "quantize_iq4_xs", "quantize_iq3_xxs", "quantize_iq3_s", "quantize_iq2_xxs", "quantize_iq2_xs",
+           "quantize_iq2_s", "quantize_rows"]
 
 GROUP = 32
 NTRY = 7
@@ -233,3 +234,4 @@ quantize_iq3_xxs = _blocks_fn("IQ3_XXS")
 quantize_iq3_s = _blocks_fn("IQ3_S")
 quantize_iq2_xxs = _blocks_fn("IQ2_XXS")  # raises: IQ2_XXS needs weights
 quantize_iq2_xs = _blocks_fn("IQ2_XS")  # raises: IQ2_XS needs weights
+quantize_iq2_s = _blocks_fn("IQ2_S")

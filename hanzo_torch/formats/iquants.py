@@ -3,8 +3,9 @@
 Block layouts are ggml's (``ggml-common.h``, ``block_iq*``); the dequantization formulas and
 their float32 operation order are those of ``gguf.quants`` (the numpy oracle), which every
 function here repeats, so the results are bit-identical to it. Of the i-quants hanzo-torch
-quantizes IQ4_NL and IQ4_XS (:mod:`hanzo_torch.formats.iq4_search`, byte-identical to ggml's);
-the codebook i-quants (IQ1_S .. IQ3_S) have no quantizer here.
+quantizes IQ4_NL and IQ4_XS (:mod:`hanzo_torch.formats.iq4_search`, byte-identical to ggml's)
+and, in the C kernel only (``csrc/quant/kquants.c``, which holds ggml's quantization grids as
+level codes), IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS and IQ2_S; IQ1_S and IQ1_M have no quantizer here.
 
 The codebooks (grids) and the IQ4 non-linear levels are read from the ``gguf`` package at
 import (``gguf.quants.<TYPE>.init_grid()`` / ``.grid``, ``.kvalues``), turned into torch tensors
@@ -287,7 +288,8 @@ IQ4_NL = _iq("IQ4_NL", _iq4_nl_dequantize, _IQ4_NL, {"kvalues": _KVALUES_IQ4}, 3
              quantize=iq4_search.quantize_iq4_nl, weighted=iq4_search.WEIGHTED["IQ4_NL"])
 IQ3_S = _iq("IQ3_S", _iq3_s_dequantize, _IQ3_S, {"grid": _GRID_IQ3_S}, 32,
             quantize=iq4_search.quantize_iq3_s, weighted=iq4_search.WEIGHTED["IQ3_S"])
-IQ2_S = _iq("IQ2_S", _iq2_s_dequantize, _IQ2_S, {"grid": _GRID_IQ2_S}, 16)
+IQ2_S = _iq("IQ2_S", _iq2_s_dequantize, _IQ2_S, {"grid": _GRID_IQ2_S}, 16,
+            quantize=iq4_search.quantize_iq2_s, weighted=iq4_search.WEIGHTED["IQ2_S"])
 IQ4_XS = _iq("IQ4_XS", _iq4_xs_dequantize, _IQ4_XS, {"kvalues": _KVALUES_IQ4}, 32,
              quantize=iq4_search.quantize_iq4_xs, weighted=iq4_search.WEIGHTED["IQ4_XS"])
 IQ1_M = _iq("IQ1_M", _iq1_m_dequantize, _IQ1_M, {"grid": _GRID_IQ1}, 8)
