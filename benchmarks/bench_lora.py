@@ -10,7 +10,7 @@ that peak against the GGUF's size.
 
     python benchmarks/bench_lora.py [-m model.gguf] [--seq 512] [--steps 3] [--r 16]
         [--targets attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down] [--layers N] [--no-checkpointing]
-        [--full-logits]
+        [--full-logits] [--glibc-heap]
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, metavar="N", help="adapt only the last N blocks (default: all)")
     ap.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations")
     ap.add_argument("--full-logits", action="store_true", help="materialize the [B, T, V] logits for the loss")
+    ap.add_argument("--glibc-heap", action="store_true",
+                    help="keep glibc's dynamic mmap threshold (finetune sets 1 MiB: hanzo_torch.finetune.set_mmap_threshold)")
     ap.add_argument("-t", "--threads", type=int, help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
@@ -53,6 +55,10 @@ def main() -> None:
 
     import hanzo_torch
     import hanzo_torch.lora  # noqa: F401 (registers the LoRA layers with PEFT)
+    from hanzo_torch.finetune import set_mmap_threshold
+
+    if not args.glibc_heap:
+        set_mmap_threshold()
 
     path = args.model or str(hanzo_torch.pull(quiet=True))
     file_bytes = os.path.getsize(path)
@@ -75,7 +81,8 @@ def main() -> None:
           f"LoRA r={args.r} on {args.targets} of {'the last %d' % args.layers if args.layers else 'all'} blocks "
           f"({n_train / 1e6:.2f} M trainable), checkpointing "
           f"{'off' if args.no_checkpointing else 'on'}, {'full logits' if args.full_logits else 'chunked loss'}, "
-          f"bf16 backward {os.environ.get('HANZO_LORA_BF16_BACKWARD', '0')}, {torch.get_num_threads()} threads")
+          f"bf16 backward {os.environ.get('HANZO_LORA_BF16_BACKWARD', '0')}, "
+          f"{'glibc default' if args.glibc_heap else '1 MiB'} mmap threshold, {torch.get_num_threads()} threads")
     for step in range(args.steps):
         ids = torch.randint(0, V, (args.batch, args.seq), generator=g)
         t0 = time.perf_counter()

