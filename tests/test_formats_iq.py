@@ -31,7 +31,8 @@ OURS = [n for n in NAMES if n in hanzo_torch.FORMATS]
 F16_SCALED = [n for n in OURS if field_kinds(n) <= {"f16", "f16_iq1m"}]  # fp16 d (IQ1_M's split in nibbles)
 BYTE_SCALED = [n for n in OURS if field_kinds(n) <= {"e8m0", "ue4m3"}]  # every byte a finite scale
 QUANTIZERS = ["TQ1_0", "TQ2_0", "MXFP4"]
-GGML_QUANTIZERS = ["IQ4_NL", "IQ4_XS"]  # no gguf quantizer: gated against ggml (tests/test_iq4_quantize.py)
+# no gguf quantizer: gated against ggml (tests/test_iq4_quantize.py, tests/test_iquant_quantize.py)
+GGML_QUANTIZERS = ["IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"]
 
 # fp16 bit patterns: the finite extremes of format_utils (max, -max, smallest subnormal of
 # both signs, smallest normal, zero), and 1.0, -0.0, +inf, NaN (two payloads)
