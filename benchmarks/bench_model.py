@@ -2,7 +2,7 @@
 
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
-        [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args "-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
+        [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args="-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
         [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--profile]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
@@ -415,10 +415,10 @@ def main() -> None:
     ap.add_argument("--llama-bench", action="append", default=[], metavar="PATH",
                     help="llama.cpp's llama-bench binary to compare with (repeatable: one engine each)")
     ap.add_argument("--llama-args", default="", metavar="FLAGS",
-                    help='extra flags for every --llama-bench run, e.g. "--repack 0" where its CPU repack crashes')
+                    help='extra flags for every --llama-bench run, e.g. --llama-args="--repack 0" where its CPU repack crashes')
     ap.add_argument("--ik-llama-bench", default=None, metavar="PATH", help="ik_llama.cpp's llama-bench binary")
     ap.add_argument("--ik-args", default="", metavar="FLAGS",
-                    help='extra flags for every ik_llama.cpp run, e.g. "-rtr 1" (its run-time repack)')
+                    help='extra flags for every ik_llama.cpp run, e.g. --ik-args="-rtr 1" (its run-time repack)')
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python engine")
     ap.add_argument("--busy", type=int, default=0, metavar="N", help="run N busy processes beside the engines")
     ap.add_argument("--busy-kind", choices=sorted(BUSY_CODE), default="spin")

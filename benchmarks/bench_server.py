@@ -1,7 +1,7 @@
 """Serving throughput: ``hanzo-torch serve`` against llama-server, 1/2/4/8 concurrent requests.
 
     python benchmarks/bench_server.py --llama-server PATH/llama-server [-m model.gguf] [-c 1,2,4,8]
-        [-n 32] [-t 2] [--rounds 1] [--llama-args "-nr"]
+        [-n 32] [-t 2] [--rounds 1] [--llama-args="-nr"]
 
 Each server is started with the same model, slots (``-np`` = the largest concurrency), context
 (``-c`` = 512 per slot) and threads, in the same run, one after the other (``--rounds`` > 1
