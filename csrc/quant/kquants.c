@@ -1598,6 +1598,57 @@ static void iq2_xxs_block(const float *xbl, uint8_t *y, const float *qw) {
         for (int b = 0; b < 4; ++b) y[2 + 4 * j + b] = (uint8_t)(q2[j] >> (8 * b));
 }
 
+/* The scale search of one 16-value group of IQ2_XS / IQ2_S (ggml's loop over is = -9..9 in
+ * quantize_row_iq2_xs_impl / _iq2_s_impl): xval the sign-folded values, weight their weights,
+ * waux their square roots for the neighbour search, mx the largest xval. Writes the two 8-value
+ * groups' grid codes to L and returns the scale (mx / (2 kmax - 1) when no candidate improves on it). */
+static float iq2_scale16(const iq2_tables *t, int kmax, float mx, const float *xval, const float *weight,
+                         const float *waux, int8_t *L) {
+    int8_t Laux[16];
+    int on[2], on_aux[2];
+    float best = 0, scale = mx / (2 * kmax - 1);
+    on[0] = on[1] = 1;
+    for (int is = -9; is <= 9; ++is) {
+        float id = (2 * kmax - 1 + is * 0.1f) / mx, this_scale = 1 / id;
+        for (int k = 0; k < 2; ++k) {
+            for (int i = 0; i < 8; ++i) Laux[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
+            int u = iq2_code(Laux + 8 * k);
+            on_aux[k] = t->map[u] >= 0;
+            if (!on_aux[k])
+                iq2_best_neighbour(t, t->nb - t->map[u] - 1, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
+        }
+        float sumqx = 0, sumq2 = 0;
+        for (int i = 0; i < 16; ++i) {
+            float w = weight[i], q = 2 * Laux[i] + 1;
+            sumqx += w * xval[i] * q;
+            sumq2 += w * q * q;
+        }
+        if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+            scale = sumqx / sumq2;
+            best = scale * sumqx;
+            memcpy(L, Laux, 16);
+            on[0] = on_aux[0]; on[1] = on_aux[1];
+        }
+    }
+    if ((!on[0] || !on[1]) && scale > 0) {  /* the off-grid groups re-rounded at the final scale */
+        float id = 1 / scale;
+        for (int k = 0; k < 2; ++k) {
+            if (on[k]) continue;
+            for (int i = 0; i < 8; ++i) L[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
+            int gi = t->map[iq2_code(L + 8 * k)];
+            if (gi < 0) iq2_best_neighbour(t, t->nb - gi - 1, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
+        }
+        float sumqx = 0, sumq2 = 0;
+        for (int i = 0; i < 16; ++i) {
+            float w = weight[i], q = 2 * L[i] + 1;
+            sumqx += w * xval[i] * q;
+            sumq2 += w * q * q;
+        }
+        if (sumq2 > 0) scale = sumqx / sumq2;
+    }
+    return scale;
+}
+
 /* IQ2_XS (ggml's quantize_row_iq2_xs_impl; importance weights required). Layout (block_iq2_xs,
  * 74 bytes): fp16 d; 32 little-endian uint16, one per 8 values: grid index (9 bits) | 7 sign
  * bits << 9; 8 bytes of 4-bit scales, one per 16 values (even group: low nibble). */
@@ -1605,8 +1656,7 @@ static void iq2_xs_block(const float *xbl, uint8_t *y, const float *qw) {
     const iq2_tables *t = &IQ2T[1];
     const int kmax = 3;
     float scales[16], weight[16], xval[16], waux[16], max_scale = 0;
-    int8_t L[16], Laux[16];
-    int on[2], on_aux[2];
+    int8_t L[16];
     uint8_t signs[2];
     uint16_t q2[32];
     memset(q2, 0, sizeof q2);
@@ -1641,46 +1691,7 @@ static void iq2_xs_block(const float *xbl, uint8_t *y, const float *qw) {
         for (int i = 1; i < 16; ++i) mx = mx > xval[i] ? mx : xval[i];
         memset(L, 0, 16);
         if (mx < EPS) { scales[ib] = 0; continue; }
-        float best = 0, scale = mx / (2 * kmax - 1);
-        on[0] = on[1] = 1;
-        for (int is = -9; is <= 9; ++is) {
-            float id = (2 * kmax - 1 + is * 0.1f) / mx, this_scale = 1 / id;
-            for (int k = 0; k < 2; ++k) {
-                for (int i = 0; i < 8; ++i) Laux[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
-                int u = iq2_code(Laux + 8 * k);
-                on_aux[k] = t->map[u] >= 0;
-                if (!on_aux[k])
-                    iq2_best_neighbour(t, t->nb - t->map[u] - 1, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
-            }
-            float sumqx = 0, sumq2 = 0;
-            for (int i = 0; i < 16; ++i) {
-                float w = weight[i], q = 2 * Laux[i] + 1;
-                sumqx += w * xval[i] * q;
-                sumq2 += w * q * q;
-            }
-            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
-                scale = sumqx / sumq2;
-                best = scale * sumqx;
-                memcpy(L, Laux, 16);
-                on[0] = on_aux[0]; on[1] = on_aux[1];
-            }
-        }
-        if ((!on[0] || !on[1]) && scale > 0) {  /* the off-grid groups re-rounded at the final scale */
-            float id = 1 / scale;
-            for (int k = 0; k < 2; ++k) {
-                if (on[k]) continue;
-                for (int i = 0; i < 8; ++i) L[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
-                int gi = t->map[iq2_code(L + 8 * k)];
-                if (gi < 0) iq2_best_neighbour(t, t->nb - gi - 1, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
-            }
-            float sumqx = 0, sumq2 = 0;
-            for (int i = 0; i < 16; ++i) {
-                float w = weight[i], q = 2 * L[i] + 1;
-                sumqx += w * xval[i] * q;
-                sumq2 += w * q * q;
-            }
-            if (sumq2 > 0) scale = sumqx / sumq2;
-        }
+        float scale = iq2_scale16(t, kmax, mx, xval, weight, waux, L);
         if (scale < 0) {
             scale = -scale;
             for (int k = 0; k < 2; ++k) signs[k] = (uint8_t)((~signs[k]) & 127);
@@ -1711,8 +1722,7 @@ static void iq2_s_block(const float *xbl, uint8_t *y, const float *qw) {
     const iq2_tables *t = &IQ2T[2];
     const int kmax = 3;
     float scales[16], weight[16], xval[16], waux[16], max_scale = 0;
-    int8_t L[16], Laux[16];
-    int on[2], on_aux[2];
+    int8_t L[16];
     uint8_t signs[2];
     memset(y, 0, 82);
     uint8_t *qs = y + 2, *qh = y + 66, *sc = y + 74;
@@ -1736,46 +1746,7 @@ static void iq2_s_block(const float *xbl, uint8_t *y, const float *qw) {
         for (int i = 1; i < 16; ++i) mx = mx > xval[i] ? mx : xval[i];
         memset(L, 0, 16);
         if (mx < 1e-8f) { scales[ib] = 0; continue; }
-        float best = 0, scale = mx / (2 * kmax - 1);
-        on[0] = on[1] = 1;
-        for (int is = -9; is <= 9; ++is) {
-            float id = (2 * kmax - 1 + is * 0.1f) / mx, this_scale = 1 / id;
-            for (int k = 0; k < 2; ++k) {
-                for (int i = 0; i < 8; ++i) Laux[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
-                int u = iq2_code(Laux + 8 * k);
-                on_aux[k] = t->map[u] >= 0;
-                if (!on_aux[k])
-                    iq2_best_neighbour(t, t->nb - t->map[u] - 1, xval + 8 * k, waux + 8 * k, this_scale, Laux + 8 * k);
-            }
-            float sumqx = 0, sumq2 = 0;
-            for (int i = 0; i < 16; ++i) {
-                float w = weight[i], q = 2 * Laux[i] + 1;
-                sumqx += w * xval[i] * q;
-                sumq2 += w * q * q;
-            }
-            if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
-                scale = sumqx / sumq2;
-                best = scale * sumqx;
-                memcpy(L, Laux, 16);
-                on[0] = on_aux[0]; on[1] = on_aux[1];
-            }
-        }
-        if ((!on[0] || !on[1]) && scale > 0) {  /* the off-grid points re-rounded at the final scale */
-            float id = 1 / scale;
-            for (int k = 0; k < 2; ++k) {
-                if (on[k]) continue;
-                for (int i = 0; i < 8; ++i) L[8 * k + i] = (int8_t)clampi(rnd(0.5f * (id * xval[8 * k + i] - 1)), 0, kmax - 1);
-                int gi = t->map[iq2_code(L + 8 * k)];
-                if (gi < 0) iq2_best_neighbour(t, t->nb - gi - 1, xval + 8 * k, waux + 8 * k, scale, L + 8 * k);
-            }
-            float sumqx = 0, sumq2 = 0;
-            for (int i = 0; i < 16; ++i) {
-                float w = weight[i], q = 2 * L[i] + 1;
-                sumqx += w * xval[i] * q;
-                sumq2 += w * q * q;
-            }
-            if (sumq2 > 0) scale = sumqx / sumq2;
-        }
+        float scale = iq2_scale16(t, kmax, mx, xval, weight, waux, L);
         if (scale < 0) {
             scale = -scale;
             for (int k = 0; k < 2; ++k) signs[k] = (uint8_t)~signs[k];
