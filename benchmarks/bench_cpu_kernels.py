@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--no-gemm", action="store_true")
     ap.add_argument("--gemm512-ab", action="store_true",
                     help="avx512 levels: GEMM with the 512-bit tiles and with the 256-bit ones (HANZO_CPU_GEMM512), alternated")
+    ap.add_argument("--repack-ab", action="store_true",
+                    help="256-bit GEMM of Q4_K / Q6_K on row-interleaved panels and on the row tiles (HANZO_CPU_REPACK), alternated")
     ap.add_argument("--median", action="store_true", help="median instead of min over repetitions")
     ap.add_argument("--rounds", type=int, default=3, help="bandwidth + mat-vec rounds (median and range reported)")
     ap.add_argument("--prefetch", type=int, default=None, help="mat-vec software prefetch distance, bytes")
@@ -136,17 +138,23 @@ def main() -> None:
         s = timeit(lambda: xf @ wf.T, reps=3)
         print(f"GEMM GFLOP/s, W [{N}, {K}]; torch f32 matmul M={ms[-1]}: {2 * ms[-1] * N * K / s / 1e9:.1f}")
         ab = args.gemm512_ab and isa.startswith("avx512")
-        variants = (True, False) if ab else (hcpu.gemm512(),)
-        print(f"{'format':8s} " + " ".join(f"{'M=' + str(m) + (' zmm' if v else ' ymm') * ab:>12s}" for m in ms for v in variants))
+        # (512-bit tiles, interleaved panels) per column, alternated per cell so drift hits both alike
+        variants = [(g, r) for g in ((True, False) if ab else (hcpu.gemm512(),))
+                    for r in ((True, False) if args.repack_ab else (hcpu.repack(),))]
+
+        def label(m, g, r):
+            return f"M={m}" + (" zmm" if g else " ymm") * ab + (" il" if r else " rows") * args.repack_ab
+        print(f"{'format':8s} " + " ".join(f"{label(m, g, r):>13s}" for m in ms for g, r in variants))
         for q in args.formats.split(","):
             cells = []
             for m in ms:
-                for v in variants:  # alternated per cell, so drift hits both alike
-                    hcpu.set_gemm512(v)
-                    cells.append(f"{bench_gemm(q, m, N, K, isa):12.1f}")
+                for g, r in variants:
+                    hcpu.set_gemm512(g)
+                    hcpu.set_repack(r)
+                    cells.append(f"{bench_gemm(q, m, N, K, isa):13.1f}")
             print(f"{q:8s} " + " ".join(cells))
         hcpu.set_gemm512(True)
-
+        hcpu.set_repack(True)
 
 if __name__ == "__main__":
     main()

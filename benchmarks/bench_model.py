@@ -51,7 +51,7 @@ average is printed with every round.
 (``set_matvec512(False)``, what ``HANZO_CPU_MATVEC512=0`` gives), same weights, alternating; its
 ratio column is 512-bit / 256-bit rows.
 
-``--repack-ab`` adds our model once more with the 256-bit Q4_K GEMM on row-by-row tiles instead of
+``--repack-ab`` adds our model once more with the 256-bit Q4_K / Q6_K GEMM on row-by-row tiles instead of
 row-interleaved panels (``set_repack(False)``, what ``HANZO_CPU_REPACK=0`` gives), same weights,
 alternating; its ratio column is interleaved / row tiles.
 
@@ -194,7 +194,7 @@ class HanzoMatvec256:
 
 
 class HanzoNoRepack:
-    """The same loaded model with the 256-bit Q4_K prefill GEMM on row-by-row tiles instead of
+    """The same loaded model with the 256-bit Q4_K / Q6_K prefill GEMM on row-by-row tiles instead of
     row-interleaved panels (``--repack-ab``; ``HANZO_CPU_REPACK=0``)."""
 
     name = "hanzo-torch (no repack)"
@@ -429,7 +429,7 @@ def main() -> None:
     ap.add_argument("--matvec-ab", action="store_true",
                     help="also run our model with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows")
     ap.add_argument("--repack-ab", action="store_true",
-                    help="also run our model with the Q4_K GEMM on row tiles (HANZO_CPU_REPACK=0)")
+                    help="also run our model with the Q4_K / Q6_K GEMM on row tiles (HANZO_CPU_REPACK=0)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.rows is not None and (args.pp is not None or args.tg is not None):

@@ -300,32 +300,72 @@ def test_gemm512_environment_variable(ext, monkeypatch):
         hcpu.set_gemm512(wide)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("N,M,K", [(13, 16, 256), (8, 37, 2304), (21, 70, 1536), (5, 17, 4352), (1, 19, 512)])
-def test_q4k_interleaved_gemm_against_rows(ext, N, M, K):
-    """The 256-bit Q4_K GEMM on row-interleaved panels (HANZO_CPU_REPACK, 8 weight rows a vector)
-    against the row-by-row tiles and the float64 product: the same int8 products, another float
-    summation order. N: ragged 8-row groups (13, 21, 5, 1) and an exact one (8); M: the smallest
-    that takes the path (16), ragged 4-row tiles, past one 64-row M block (70); K: one block, past
-    the 2048-value K panel (2304, 4352)."""
+def test_interleaved_gemm_against_rows(ext, qtype, N, M, K):
+    """The 256-bit Q4_K / Q6_K GEMM on row-interleaved panels (HANZO_CPU_REPACK, 8 weight rows a
+    vector) against the row-by-row tiles and the float64 product: the same int8 products, another
+    float summation order. N: ragged 8-row groups (13, 21, 5, 1) and an exact one (8); M: the
+    smallest that takes the path (16), ragged 4-row tiles, past one 64-row M block (70); K: one
+    block, past the 2048-value K panel (2304, 4352)."""
     if "avx2" not in hcpu.isa_levels():
         pytest.skip("no avx2 level on this CPU")
-    w = random_blocks("Q4_K", N, K, seed=31 + N)
+    w = random_blocks(qtype, N, K, seed=31 + N)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(32 + M))
     before = hcpu.repack()
     try:
         hcpu.set_repack(False)
-        rows = hcpu.mul_mat(x, w, "Q4_K", isa="avx2")
+        rows = hcpu.mul_mat(x, w, qtype, isa="avx2")
         hcpu.set_repack(True)
-        il = hcpu.mul_mat(x, w, "Q4_K", isa="avx2")
-        small = hcpu.mul_mat(x[:15], w, "Q4_K", isa="avx2")  # below 16 rows: the row tiles
+        il = hcpu.mul_mat(x, w, qtype, isa="avx2")
+        small = hcpu.mul_mat(x[:15], w, qtype, isa="avx2")  # below 16 rows: the row tiles
+        level, wide = _avx512_level(), hcpu.gemm512()
+        if level is not None:  # the AVX-512 level's 256-bit GEMM (vpdpwssd): AVX2's bits
+            try:
+                hcpu.set_gemm512(False)
+                assert torch.equal(hcpu.mul_mat(x, w, qtype, isa=level), il), level
+            finally:
+                hcpu.set_gemm512(wide)
     finally:
         hcpu.set_repack(before)
-    wf = quant.dequantize(w, "Q4_K", [N, K], torch.float32).double()
+    wf = quant.dequantize(w, qtype, [N, K], torch.float32).double()
     xh = act_dequant(ext, x, 256)
     assert_tight(il, xh, wf, "interleaved")
     assert_tight(rows, xh, wf, "rows")
     assert not torch.equal(il, rows)  # the toggle selects another kernel (float order differs)
     assert torch.equal(small, rows[:15])
+
+
+def test_q6k_interleaved_gemm_extreme_values(ext):
+    """Q6_K's interleaved int16 sums at their bound: every value 0 or 63 (q6 - 32 = -32 or +31),
+    scales -128 and 127, activations at +-127 with the signs that make 4 products of a 16-bit lane
+    add up to 4 * 63 * 127 = 32004: exact only if no partial sum saturates or wraps."""
+    if "avx2" not in hcpu.isa_levels():
+        pytest.skip("no avx2 level on this CPU")
+    N, M, K = 11, 16, 512
+    w = random_blocks("Q6_K", N, K, seed=5)
+    blk = w.view(-1, 210)  # ql[128] qh[64] scales[16] d
+    blk[:, :128] = 0xFF  # low nibbles 15
+    blk[:, 128:192] = 0xFF  # high bits 3: every q6 is 63
+    blk[1::2, :128] = 0x00  # every other block: q6 = 0 (0 - 32)
+    blk[1::2, 128:192] = 0x00
+    sc = torch.tensor([127, -128] * 8, dtype=torch.int8).view(torch.uint8)
+    blk[:, 192:208] = sc
+    x = torch.ones(M, K)
+    x[1::2] = -1.0  # rows of all +1 / all -1: quantize to +-127
+    x[2, ::3] = -1.0
+    before = hcpu.repack()
+    try:
+        hcpu.set_repack(True)
+        il = hcpu.mul_mat(x, w, "Q6_K", isa="avx2")
+        hcpu.set_repack(False)
+        rows = hcpu.mul_mat(x, w, "Q6_K", isa="avx2")
+    finally:
+        hcpu.set_repack(before)
+    wf = quant.dequantize(w, "Q6_K", [N, K], torch.float32).double()
+    xh = act_dequant(ext, x, 256)
+    assert_tight(il, xh, wf, "interleaved")
+    assert_tight(rows, xh, wf, "rows")
 
 
 def test_repack_environment_variable(ext, monkeypatch):

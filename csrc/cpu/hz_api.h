@@ -61,8 +61,8 @@ extern int hz_gemm512;
 // 1: the AVX-512 level's M = 1 mat-vec of Q4_K and Q6_K uses its 512-bit rows (kernels_matvec.h);
 // 0: the 256-bit rows of the other levels. Same bits either way.
 extern int hz_matvec512;
-// 1: the 256-bit GEMM of Q4_K repacks each weight panel into rows interleaved 8 at a time
-// (gemm_il_q4k, kernels_gemm.h); 0: gemm_simd_rows. HANZO_CPU_REPACK.
+// 1: the 256-bit GEMM of Q4_K and Q6_K repacks each weight panel into rows interleaved 8 at a
+// time (gemm_il_q4k, gemm_il_q6k, kernels_gemm.h); 0: the row tiles. HANZO_CPU_REPACK.
 extern int hz_cpu_repack;
 // GEMM cache blocking: K panel in values (a multiple of 256) and M block in rows (see ops.cpp).
 extern int64_t hz_gemm_kc, hz_gemm_mc;

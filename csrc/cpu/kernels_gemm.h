@@ -398,6 +398,110 @@ static void gemm_il_q4k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
     free(qbuf); free(sbuf); free(mbuf); free(dbuf); free(xpb);
 }
 
+// Row-interleaved GEMM of Q6_K, the same panel layout as gemm_il_q4k (32-bit lane r = 4
+// consecutive values of row r) with the unsigned q6 values (0..63). A 16-value sub-block has its
+// own scale, and 4 vpmaddubsw results of one would not fit int16 (8 * 63 * 127 = 64008), so every
+// 2 of them (|sum| <= 4 * 63 * 127 = 32004: exact; -128 activations, 32256, too) go through one
+// vpmaddwd with the 8 rows' scales: 3 multiplies per 16 products and row group. The -32 of the
+// values is the row tiles' min term: 32 * sc_g per row against the activation's int16 sums per
+// 16, in int32 once per block, then d once per block on 8 rows. Same integers as the row tiles
+// (gemm_simd_pairs); only the float32 summation order differs.
+static void gemm_il_q6k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
+                        float* y, int64_t ldy) {
+    typedef Hooks<FQ6_K> H;
+    constexpr int NR = HZ_IL_ROWS, MR = HZ_IL_MR;
+    const int64_t K = a->K, nb = K / 256;
+    const int64_t KB = hz_min<int64_t>(nb, hz_gemm_kc / 256 > 0 ? hz_gemm_kc / 256 : 1);
+    // panel: per block 64 value vectors [chunk c][group e], 16 scale vectors (lane r: sc_g twice),
+    // 8 min vectors (lane r: 32 * sc_2q, 32 * sc_2q+1), d
+    __m256i* qbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * KB * 64);
+    __m256i* sbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * KB * 16);
+    __m256i* mbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * KB * 8);
+    __m256* dbuf = (__m256*)aligned_alloc(32, sizeof(__m256) * KB);
+    for (int64_t mc = 0; mc < M; mc += hz_gemm_mc) {
+        const int64_t me = hz_min<int64_t>(M, mc + hz_gemm_mc);
+        for (int64_t kp = 0; kp < nb; kp += KB) {
+            const int64_t kb = hz_min<int64_t>(KB, nb - kp);
+            for (int64_t nt = n0; nt < n1; nt += NR) {
+                const int nr = (int)hz_min<int64_t>(NR, n1 - nt);
+                for (int64_t b = 0; b < kb; ++b) {
+                    const uint8_t* blk[NR];
+                    H::Prep p[NR];
+                    __m256i v[NR], t[8];
+                    alignas(32) float d[NR];
+                    for (int r = 0; r < NR; ++r) {
+                        blk[r] = W + (nt + (r < nr ? r : nr - 1)) * rb + (kp + b) * FQ6_K::BYTES;
+                        H::prep(blk[r], p[r]);
+                        d[r] = p[r].d;
+                        v[r] = _mm256_unpacklo_epi16(p[r].sc16, p[r].sc16);  // 32-bit elements: sc_0..3 | sc_8..11, each twice
+                    }
+                    transpose8x32(v, t);
+                    for (int e = 0; e < 4; ++e) { sbuf[b * 16 + e] = t[e]; sbuf[b * 16 + 8 + e] = t[4 + e]; }
+                    for (int r = 0; r < NR; ++r) v[r] = _mm256_unpackhi_epi16(p[r].sc16, p[r].sc16);  // sc_4..7 | sc_12..15
+                    transpose8x32(v, t);
+                    for (int e = 0; e < 4; ++e) { sbuf[b * 16 + 4 + e] = t[e]; sbuf[b * 16 + 12 + e] = t[4 + e]; }
+                    for (int r = 0; r < NR; ++r) v[r] = _mm256_slli_epi16(p[r].mn16, 5);  // |32 * sc| <= 4096
+                    transpose8x32(v, mbuf + b * 8);
+                    dbuf[b] = _mm256_load_ps(d);
+                    for (int c = 0; c < 8; ++c) {
+                        for (int r = 0; r < NR; ++r) v[r] = H::chunk(blk[r], p[r], c);
+                        transpose8x32(v, qbuf + (b * 8 + c) * 8);
+                    }
+                }
+                for (int64_t mt = mc; mt < me; mt += MR) {
+                    const int mr = (int)hz_min<int64_t>(MR, me - mt);
+                    const int8_t* xq[MR]; const float* xd[MR]; const int16_t* xs[MR];
+                    for (int m = 0; m < MR; ++m) {
+                        const int64_t mm = mt + (m < mr ? m : mr - 1);
+                        xq[m] = a->q + mm * K + kp * 256;
+                        xd[m] = a->d + mm * nb + kp;
+                        xs[m] = a->s + mm * (K / 16) + kp * 16;
+                    }
+                    __m256 acc[MR];
+                    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+                    for (int64_t b = 0; b < kb; ++b) {
+                        __m256i is[MR];
+                        for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
+                        for (int c = 0; c < 8; ++c) {
+                            const __m256i* wq = qbuf + (b * 8 + c) * 8;
+                            for (int h = 0; h < 4; ++h) {  // 8 values: groups 2h, 2h + 1 of chunk c
+                                const __m256i sc = sbuf[b * 16 + 2 * c + (h >> 1)];
+                                const __m256i w0 = _mm256_load_si256(wq + 2 * h), w1 = _mm256_load_si256(wq + 2 * h + 1);
+                                for (int m = 0; m < MR; ++m) {
+                                    const uint8_t* x = (const uint8_t*)(xq[m] + b * 256 + 32 * c + 8 * h);
+                                    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32((int)rd_u32(x))),
+                                                                         _mm256_maddubs_epi16(w1, _mm256_set1_epi32((int)rd_u32(x + 4))));
+#if HZ_ISA >= 2
+                                    is[m] = _mm256_dpwssd_epi32(is[m], s16, sc);
+#else
+                                    is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(s16, sc));
+#endif
+                                    __asm__("" : "+x"(is[m]));  // chained: as in gemm_il_q4k, GCC otherwise spills a tree of products
+                                }
+                            }
+                        }
+                        for (int m = 0; m < MR; ++m) {  // is -= 32 * sum_g sc_g * xs_g (exact)
+                            const uint8_t* s = (const uint8_t*)(xs[m] + b * 16);
+                            __m256i ms = _mm256_madd_epi16(mbuf[b * 8], _mm256_set1_epi32((int)rd_u32(s)));
+                            for (int q = 1; q < 8; ++q)
+                                ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mbuf[b * 8 + q], _mm256_set1_epi32((int)rd_u32(s + 4 * q))));
+                            const __m256 dx = _mm256_broadcast_ss(xd[m] + b);
+                            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(is[m], ms)), _mm256_mul_ps(dbuf[b], dx), acc[m]);
+                        }
+                    }
+                    for (int m = 0; m < mr; ++m) {
+                        alignas(32) float o[NR];
+                        _mm256_store_ps(o, acc[m]);
+                        float* dst = y + (mt + m) * ldy + nt;
+                        for (int r = 0; r < nr; ++r) dst[r] = kp == 0 ? o[r] : dst[r] + o[r];
+                    }
+                }
+            }
+        }
+    }
+    free(qbuf); free(sbuf); free(mbuf); free(dbuf);
+}
+
 #if HZ_ISA >= 2
 #include "kernels_gemm512.h"
 #endif
@@ -415,6 +519,12 @@ static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
     if constexpr (T::ID == FQ4_K::ID) {
         if (hz_cpu_repack && M >= HZ_IL_MIN_M) {
             gemm_il_q4k(W, rb, n0, n1, a, M, y, ldy);
+            return;
+        }
+    }
+    if constexpr (T::ID == FQ6_K::ID) {
+        if (hz_cpu_repack && M >= HZ_IL_MIN_M) {
+            gemm_il_q6k(W, rb, n0, n1, a, M, y, ldy);
             return;
         }
     }

@@ -829,8 +829,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           }, "GEMM cache blocking: M block (rows), K panel (values) (benchmark knob)", py::arg("mc"), py::arg("kc"));
     m.def("gemm_blocking", []() { return std::make_pair(hz_gemm_mc, hz_gemm_kc); }, "GEMM (M block, K panel)");
     m.def("set_gemm512", [](bool on) { hz_gemm512 = on ? 1 : 0; }, "AVX-512 level: 512-bit GEMM kernels (true) or its 256-bit ones");
-    m.def("set_repack", [](bool on) { hz_cpu_repack = on ? 1 : 0; }, "256-bit GEMM of Q4_K on row-interleaved panels (true) or gemm_simd_rows");
-    m.def("repack", []() { return hz_cpu_repack != 0; }, "whether the 256-bit Q4_K GEMM runs on row-interleaved panels");
+    m.def("set_repack", [](bool on) { hz_cpu_repack = on ? 1 : 0; }, "256-bit GEMM of Q4_K and Q6_K on row-interleaved panels (true) or the row tiles");
+    m.def("repack", []() { return hz_cpu_repack != 0; }, "whether the 256-bit Q4_K / Q6_K GEMM runs on row-interleaved panels");
     m.def("gemm512", []() { return hz_gemm512 != 0; }, "whether the AVX-512 level's GEMM uses its 512-bit kernels");
     m.def("set_matvec512", [](bool on) { hz_matvec512 = on ? 1 : 0; }, "AVX-512 level: 512-bit Q4_K/Q6_K mat-vec rows (true) or the 256-bit ones");
     m.def("matvec512", []() { return hz_matvec512 != 0; }, "whether the AVX-512 level's Q4_K/Q6_K mat-vec uses its 512-bit rows");

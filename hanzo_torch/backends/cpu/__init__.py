@@ -34,8 +34,8 @@ On ``avx512`` (and ``avx512-sim``) the prefill GEMM runs 512-bit register tiles 
 kernels load) or :func:`set_gemm512` gives that level's 256-bit tiles instead, for A/B runs.
 Its decode mat-vec (M = 1) of Q4_K and Q6_K runs 512-bit rows, two 32-value chunks per step, with
 the same bits as the 256-bit rows; ``HANZO_CPU_MATVEC512=0`` or :func:`set_matvec512` gives those.
-The 256-bit GEMM of Q4_K repacks each weight panel into rows interleaved 8 at a time (one
-activation broadcast feeds 8 rows); ``HANZO_CPU_REPACK=0`` or :func:`set_repack` gives the
+The 256-bit GEMM of Q4_K and Q6_K repacks each weight panel into rows interleaved 8 at a time
+(one activation broadcast feeds 8 rows); ``HANZO_CPU_REPACK=0`` or :func:`set_repack` gives the
 row-by-row tiles.
 
 Threads: torch's intra-op pool (``torch.set_num_threads``). Each parallel region of the kernels
@@ -431,7 +431,7 @@ def _configure(ext) -> None:
     try:
         ext.set_repack(_flag_env("HANZO_CPU_REPACK"))
     except ValueError as e:
-        warnings.warn(f"hanzo_torch: {e}; the row-interleaved Q4_K GEMM stays on", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"hanzo_torch: {e}; the row-interleaved Q4_K / Q6_K GEMM stays on", RuntimeWarning, stacklevel=2)
         ext.set_repack(True)
     try:
         ext.set_matvec512(_flag_env("HANZO_CPU_MATVEC512"))
@@ -533,7 +533,7 @@ def gemm512() -> bool:
 
 
 def set_repack(enabled: bool) -> None:
-    """Run the 256-bit prefill GEMM of Q4_K (``avx2``, and ``avx512`` with :func:`set_gemm512`
+    """Run the 256-bit prefill GEMM of Q4_K and Q6_K (``avx2``, and ``avx512`` with :func:`set_gemm512`
     off) on weight panels repacked per call into rows interleaved 8 at a time (True, the default;
     at least 16 activation rows) or on the row-by-row tiles (False), for A/B runs. The packed
     weights are not changed (the repack is a per-thread panel buffer, no copy of the model).
@@ -547,7 +547,7 @@ def set_repack(enabled: bool) -> None:
 
 
 def repack() -> bool:
-    """Whether the 256-bit Q4_K GEMM runs on row-interleaved panels (:func:`set_repack`)."""
+    """Whether the 256-bit Q4_K / Q6_K GEMM runs on row-interleaved panels (:func:`set_repack`)."""
     return bool(_ext_or_raise().repack())
 
 
