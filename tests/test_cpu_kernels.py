@@ -338,8 +338,9 @@ def test_interleaved_gemm_against_rows(ext, qtype, N, M, K):
 
 def test_q6k_interleaved_gemm_extreme_values(ext):
     """Q6_K's interleaved int16 sums at their bound: every value 0 or 63 (q6 - 32 = -32 or +31),
-    scales -128 and 127, activations at +-127 with the signs that make 4 products of a 16-bit lane
-    add up to 4 * 63 * 127 = 32004: exact only if no partial sum saturates or wraps."""
+    scales -128 and 127, activations at +-127, so the 4 products (x + 128) * (q6 - 32) of a 16-bit
+    lane reach 4 * 255 * -32 = -32640 (x = 127 against q6 = 0): exact only if no partial sum
+    saturates or wraps."""
     if "avx2" not in hcpu.isa_levels():
         pytest.skip("no avx2 level on this CPU")
     N, M, K = 11, 16, 512

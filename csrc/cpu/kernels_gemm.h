@@ -399,29 +399,41 @@ static void gemm_il_q4k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
 }
 
 // Row-interleaved GEMM of Q6_K, the same panel layout as gemm_il_q4k (32-bit lane r = 4
-// consecutive values of row r) with the unsigned q6 values (0..63). A 16-value sub-block has its
-// own scale, and 4 vpmaddubsw results of one would not fit int16 (8 * 63 * 127 = 64008), so every
-// 2 of them (|sum| <= 4 * 63 * 127 = 32004: exact; -128 activations, 32256, too) go through one
-// vpmaddwd with the 8 rows' scales: 3 multiplies per 16 products and row group. The -32 of the
-// values is the row tiles' min term: 32 * sc_g per row against the activation's int16 sums per
-// 16, in int32 once per block, then d once per block on 8 rows. Same integers as the row tiles
-// (gemm_simd_pairs); only the float32 summation order differs.
+// consecutive values of row r). vpmaddubsw takes the activations as its unsigned operand, offset
+// by 128 (x + 128 in 0..255, an M-block copy), and the weights as the signed one, q6 - 32 in
+// -32..31, so no per-activation-row min term is left: sum (x + 128) w = sum x w + 128 sum w, and
+// 128 * sum_g sc_g * sum w of each row and block comes from the repack. A 16-value sub-block has
+// its own scale, and 4 vpmaddubsw results of one could reach 8 * 255 * 32 = 65280 in an int16 lane,
+// so every 2 of them (at most 4 * 255 * 32 = 32640: exact) go through one vpmaddwd with the 8
+// rows' scales: 12 multiplies per 256 products and 8 rows, the row tiles take 16. The next
+// panel's weights are prefetched while this one meets the activations (its repack would
+// otherwise wait on memory). Same integers as the row tiles (gemm_simd_pairs); only the float32
+// summation order differs.
 static void gemm_il_q6k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
                         float* y, int64_t ldy) {
     typedef Hooks<FQ6_K> H;
     constexpr int NR = HZ_IL_ROWS, MR = HZ_IL_MR;
     const int64_t K = a->K, nb = K / 256;
     const int64_t KB = hz_min<int64_t>(nb, hz_gemm_kc / 256 > 0 ? hz_gemm_kc / 256 : 1);
+    const int64_t MC = hz_min<int64_t>(M, hz_gemm_mc);
     // panel: per block 64 value vectors [chunk c][group e], 16 scale vectors (lane r: sc_g twice),
-    // 8 min vectors (lane r: 32 * sc_2q, 32 * sc_2q+1), d
+    // the offset correction (lane r: 128 * sum_g sc_g * sum w), d
     __m256i* qbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * KB * 64);
     __m256i* sbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * KB * 16);
-    __m256i* mbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * KB * 8);
+    __m256i* cbuf = (__m256i*)aligned_alloc(32, sizeof(__m256i) * KB);
     __m256* dbuf = (__m256*)aligned_alloc(32, sizeof(__m256) * KB);
+    uint8_t* xu = (uint8_t*)aligned_alloc(32, MC * KB * 256);  // x + 128 of the M block's K panel
+    const __m256i k32 = _mm256_set1_epi8(32), k80 = _mm256_set1_epi8((char)0x80), ones8 = _mm256_set1_epi8(1);
+    const int64_t mtiles = (MC + MR - 1) / MR;
     for (int64_t mc = 0; mc < M; mc += hz_gemm_mc) {
         const int64_t me = hz_min<int64_t>(M, mc + hz_gemm_mc);
         for (int64_t kp = 0; kp < nb; kp += KB) {
             const int64_t kb = hz_min<int64_t>(KB, nb - kp);
+            for (int64_t m = mc; m < me; ++m)
+                for (int64_t i = 0; i < kb * 256; i += 32)
+                    _mm256_store_si256((__m256i*)(xu + (m - mc) * KB * 256 + i),
+                                       _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(a->q + m * K + kp * 256 + i)), k80));
+            const int64_t plines = (kb * FQ6_K::BYTES + 63) / 64, per = (NR * plines + mtiles - 1) / mtiles;
             for (int64_t nt = n0; nt < n1; nt += NR) {
                 const int nr = (int)hz_min<int64_t>(NR, n1 - nt);
                 for (int64_t b = 0; b < kb; ++b) {
@@ -440,22 +452,33 @@ static void gemm_il_q6k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
                     for (int r = 0; r < NR; ++r) v[r] = _mm256_unpackhi_epi16(p[r].sc16, p[r].sc16);  // sc_4..7 | sc_12..15
                     transpose8x32(v, t);
                     for (int e = 0; e < 4; ++e) { sbuf[b * 16 + 4 + e] = t[e]; sbuf[b * 16 + 12 + e] = t[4 + e]; }
-                    for (int r = 0; r < NR; ++r) v[r] = _mm256_slli_epi16(p[r].mn16, 5);  // |32 * sc| <= 4096
-                    transpose8x32(v, mbuf + b * 8);
                     dbuf[b] = _mm256_load_ps(d);
+                    __m256i cs = _mm256_setzero_si256();
                     for (int c = 0; c < 8; ++c) {
-                        for (int r = 0; r < NR; ++r) v[r] = H::chunk(blk[r], p[r], c);
-                        transpose8x32(v, qbuf + (b * 8 + c) * 8);
+                        for (int r = 0; r < NR; ++r) v[r] = _mm256_sub_epi8(H::chunk(blk[r], p[r], c), k32);
+                        __m256i* o = qbuf + (b * 8 + c) * 8;
+                        transpose8x32(v, o);
+                        for (int h = 0; h < 2; ++h) {  // sub-block 2c + h: sum w per row (|.| <= 512), times sc_g
+                            __m256i sw = _mm256_maddubs_epi16(ones8, o[4 * h]);
+                            for (int e = 1; e < 4; ++e) sw = _mm256_add_epi16(sw, _mm256_maddubs_epi16(ones8, o[4 * h + e]));
+                            cs = _mm256_add_epi32(cs, _mm256_madd_epi16(sw, sbuf[b * 16 + 2 * c + h]));
+                        }
                     }
+                    cbuf[b] = _mm256_slli_epi32(cs, 7);  // |128 * sum| <= 128 * 16 * 128 * 512 < 2^31
                 }
+                int64_t pl = 0;  // next panel's cache lines prefetched so far
                 for (int64_t mt = mc; mt < me; mt += MR) {
+                    if (nt + NR < n1)
+                        for (const int64_t e = hz_min<int64_t>(pl + per, NR * plines); pl < e; ++pl) {
+                            const int64_t row = hz_min<int64_t>(nt + NR + pl / plines, n1 - 1);
+                            _mm_prefetch((const char*)(W + row * rb + kp * FQ6_K::BYTES + 64 * (pl % plines)), _MM_HINT_T0);
+                        }
                     const int mr = (int)hz_min<int64_t>(MR, me - mt);
-                    const int8_t* xq[MR]; const float* xd[MR]; const int16_t* xs[MR];
+                    const uint8_t* xq[MR]; const float* xd[MR];
                     for (int m = 0; m < MR; ++m) {
                         const int64_t mm = mt + (m < mr ? m : mr - 1);
-                        xq[m] = a->q + mm * K + kp * 256;
+                        xq[m] = xu + (mm - mc) * KB * 256;
                         xd[m] = a->d + mm * nb + kp;
-                        xs[m] = a->s + mm * (K / 16) + kp * 16;
                     }
                     __m256 acc[MR];
                     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
@@ -468,9 +491,9 @@ static void gemm_il_q6k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
                                 const __m256i sc = sbuf[b * 16 + 2 * c + (h >> 1)];
                                 const __m256i w0 = _mm256_load_si256(wq + 2 * h), w1 = _mm256_load_si256(wq + 2 * h + 1);
                                 for (int m = 0; m < MR; ++m) {
-                                    const uint8_t* x = (const uint8_t*)(xq[m] + b * 256 + 32 * c + 8 * h);
-                                    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32((int)rd_u32(x))),
-                                                                         _mm256_maddubs_epi16(w1, _mm256_set1_epi32((int)rd_u32(x + 4))));
+                                    const uint8_t* x = xq[m] + b * 256 + 32 * c + 8 * h;
+                                    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32((int)rd_u32(x)), w0),
+                                                                         _mm256_maddubs_epi16(_mm256_set1_epi32((int)rd_u32(x + 4)), w1));
 #if HZ_ISA >= 2
                                     is[m] = _mm256_dpwssd_epi32(is[m], s16, sc);
 #else
@@ -480,13 +503,9 @@ static void gemm_il_q6k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
                                 }
                             }
                         }
-                        for (int m = 0; m < MR; ++m) {  // is -= 32 * sum_g sc_g * xs_g (exact)
-                            const uint8_t* s = (const uint8_t*)(xs[m] + b * 16);
-                            __m256i ms = _mm256_madd_epi16(mbuf[b * 8], _mm256_set1_epi32((int)rd_u32(s)));
-                            for (int q = 1; q < 8; ++q)
-                                ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mbuf[b * 8 + q], _mm256_set1_epi32((int)rd_u32(s + 4 * q))));
+                        for (int m = 0; m < MR; ++m) {
                             const __m256 dx = _mm256_broadcast_ss(xd[m] + b);
-                            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(is[m], ms)), _mm256_mul_ps(dbuf[b], dx), acc[m]);
+                            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(is[m], cbuf[b])), _mm256_mul_ps(dbuf[b], dx), acc[m]);
                         }
                     }
                     for (int m = 0; m < mr; ++m) {
@@ -499,7 +518,7 @@ static void gemm_il_q6k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
             }
         }
     }
-    free(qbuf); free(sbuf); free(mbuf); free(dbuf);
+    free(qbuf); free(sbuf); free(cbuf); free(dbuf); free(xu);
 }
 
 #if HZ_ISA >= 2
