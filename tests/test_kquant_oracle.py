@@ -22,8 +22,8 @@ import hanzo_torch
 KQ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 IQ4 = ["IQ4_NL", "IQ4_XS"]
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]
-CODEBOOK = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"]  # the C kernel only
-NEEDS_WEIGHTS = ["IQ2_XXS", "IQ2_XS"]  # ggml_quantize_requires_imatrix
+CODEBOOK = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]  # the C kernel only
+NEEDS_WEIGHTS = ["IQ2_XXS", "IQ2_XS", "IQ1_S"]  # ggml_quantize_requires_imatrix
 
 pytestmark = pytest.mark.slow
 
