@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("input", help="GGUF file (any format hanzo-torch reads)")
     q.add_argument("output", help="output GGUF file (written to OUTPUT.tmp, then renamed)")
     q.add_argument("type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, IQ4_XS, IQ4_NL, IQ3_M, IQ3_S, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
-                                "F16, BF16, F32")
+                                "F16, BF16, F32; with --imatrix also IQ3_XXS, IQ2_M, IQ2_S, IQ2_XS, IQ2_XXS, IQ1_M, IQ1_S")
     q.add_argument("nthreads", nargs="?", type=_positive_int, help="CPU threads (default: torch's)")
     q.add_argument("--imatrix", metavar="FILE", help="importance matrix (llama-imatrix's GGUF or legacy .dat, or "
                                                      "`hanzo-torch imatrix`'s) to weight the quantization with")

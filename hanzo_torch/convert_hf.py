@@ -466,15 +466,16 @@ def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: st
         ConvertError (a ValueError): unknown ``type``, an architecture other than the three, a bad
             or missing config.json key, a checkpoint tensor missing, unexpected, of the wrong
             shape or dtype, a tokenizer that is not Qwen's byte-level BPE; each names the file and
-            the key or tensor.
+            the key or tensor; a file type that needs an importance matrix (IQ3_XXS, IQ2_*,
+            IQ1_*: :func:`hanzo_torch.requantize.check_imatrix`) without one.
         FileNotFoundError: ``src``, config.json, tokenizer.json or tokenizer_config.json missing.
         ValueError / GGUFError: a bad imatrix file, or an entry of the wrong size (named).
         All are raised before ``out`` is created.
     """
     from .formats import get_format
     from .imatrix import IMatrix, load_imatrix
-    from .requantize import (FTYPES, _State, _check_weighted, _quantizable, imatrix_metadata, imatrix_weights,
-                             quantize_tensor, tensor_type)
+    from .requantize import (FTYPES, _State, _check_weighted, _quantizable, check_imatrix, imatrix_metadata,
+                             imatrix_weights, quantize_tensor, tensor_type)
 
     key = str(type).upper()
     if key not in FTYPES:
@@ -508,6 +509,10 @@ def convert(src: Union[str, os.PathLike], out: Union[str, os.PathLike], type: st
             weights[s.name] = imatrix_weights(imatrix, s.name, tuple(s.shape))
             if weights[s.name] is not None:
                 _check_weighted(s.name, t)
+            try:
+                check_imatrix(s.name, t, key, imatrix, has_entry=weights[s.name] is not None)
+            except ValueError as exc:
+                raise ConvertError(str(exc)) from None
         if log is not None and _quantizable(s.name, len(s.shape)) and base not in _TORCH_DTYPES:
             bs = get_format(base).block_size
             if s.shape[-1] % bs:

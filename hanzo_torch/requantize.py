@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import gguf
 import torch
 
-__all__ = ["FTYPES", "quantize_tensor", "requantize", "tensor_type"]
+__all__ = ["FTYPES", "NEEDS_IMATRIX", "check_imatrix", "quantize_tensor", "requantize", "tensor_type"]
 
 # llama-quantize's file types: the default tensor type and the ``general.file_type`` value
 FTYPES: dict[str, tuple[str, int]] = {
@@ -42,12 +42,25 @@ FTYPES: dict[str, tuple[str, int]] = {
     "IQ4_XS": ("IQ4_XS", int(gguf.LlamaFileType.MOSTLY_IQ4_XS)),
     "IQ3_S": ("IQ3_S", int(gguf.LlamaFileType.MOSTLY_IQ3_S)),
     "IQ3_M": ("IQ3_S", int(gguf.LlamaFileType.MOSTLY_IQ3_M)),
+    "IQ3_XXS": ("IQ3_XXS", int(gguf.LlamaFileType.MOSTLY_IQ3_XXS)),
+    "IQ2_M": ("IQ2_S", int(gguf.LlamaFileType.MOSTLY_IQ2_M)),
+    "IQ2_S": ("IQ2_XS", int(gguf.LlamaFileType.MOSTLY_IQ2_S)),
+    "IQ2_XS": ("IQ2_XS", int(gguf.LlamaFileType.MOSTLY_IQ2_XS)),
+    "IQ2_XXS": ("IQ2_XXS", int(gguf.LlamaFileType.MOSTLY_IQ2_XXS)),
+    "IQ1_M": ("IQ1_M", int(gguf.LlamaFileType.MOSTLY_IQ1_M)),
+    "IQ1_S": ("IQ1_S", int(gguf.LlamaFileType.MOSTLY_IQ1_S)),
 }
 _DENSE = ("F32", "F16", "BF16")
 # llama-quantize's fallback when a row length is not a multiple of the block size
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL",
-             "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL"}
+             "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_S": "IQ4_NL",
+             "IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL"}
 _IQ4 = ("IQ4_NL", "IQ4_XS")
+# the file types of llama-quantize's lowest-bit branch (IQ2 and IQ1 mixes)
+_IQ_LOW = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
+# tensor types llama-quantize writes only from an importance matrix (``tensor_requires_imatrix``;
+# token_embd and output excepted)
+NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 # ggml's quantizers that take no importance weights (``quantize_q8_0`` etc. ignore them)
 _IGNORE_WEIGHTS = ("Q8_0", "MXFP4", "TQ1_0", "TQ2_0")
 
@@ -109,11 +122,38 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
         from .formats import get_format
         if ncols % get_format(t).block_size:
             t = "Q8_0"
+        elif ftype in _IQ_LOW or ftype == "IQ3_XXS":
+            t = "Q5_K"
         elif t != "Q8_0":
             t = "Q6_K"
+    elif cat == "token_embd":
+        if ftype in ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"):
+            t = "Q2_K"
+        elif ftype in ("IQ2_S", "IQ2_M", "IQ3_XXS"):
+            t = "IQ3_S"
+    elif ftype in _IQ_LOW:
+        iq2 = ftype in ("IQ2_S", "IQ2_M")
+        if cat in ("attn_v", "attn_qkv"):
+            t = "Q4_K" if state.n_gqa >= 4 or state.n_expert >= 4 else "IQ3_S" if iq2 else "Q2_K"
+            state.i_attn_v += 1
+        elif cat == "attn_k" and state.n_expert == 8:
+            t = "Q4_K"
+        elif cat == "ffn_down":
+            if _layer(name, state.i_ffn_down) < state.n_layer // 8:
+                t = "IQ3_S" if iq2 else "Q2_K"
+            state.i_ffn_down += 1
+        elif cat == "attn_output":
+            if state.n_expert == 8:
+                t = "Q5_K"
+            elif ftype in ("IQ1_S", "IQ1_M"):
+                t = "IQ2_XXS"
+            elif iq2:
+                t = "IQ3_S"
     elif cat in ("attn_v", "attn_qkv"):
         i_v = _layer(name, state.i_attn_v)
-        if ftype in _IQ4 and state.n_gqa >= 4:
+        if ftype == "IQ3_XXS":
+            t = "Q4_K" if state.n_gqa >= 4 else "IQ3_S" if not state.has_imatrix else "IQ3_XXS"
+        elif ftype in _IQ4 and state.n_gqa >= 4:
             t = "Q5_K"
         elif (ftype == "IQ3_S" and state.n_gqa >= 4) or ftype == "IQ3_M":
             t = "Q4_K"
@@ -127,17 +167,26 @@ def tensor_type(name: str, shape: tuple, src_type: str, ftype: str, state: _Stat
     elif cat == "attn_k":
         if state.n_expert == 8:
             t = "Q8_0"
+        elif ftype == "IQ3_XXS":
+            t = "IQ2_S"
+    elif cat == "attn_q":
+        if ftype == "IQ3_XXS":
+            t = "IQ2_S"
     elif cat == "attn_output":
         if state.n_expert == 8:
-            if ftype in ("Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M", *_IQ4):
+            if ftype in ("Q4_K_S", "Q4_K_M", "IQ3_XXS", "IQ3_S", "IQ3_M", *_IQ4):
                 t = "Q5_K"
         elif ftype == "IQ3_M":
             t = "Q4_K"
+        elif ftype == "IQ3_XXS":
+            t = "IQ3_S"
     elif cat == "ffn_down":
         i_layer = _layer(name, state.i_ffn_down)
         n = state.n_layer
         if ftype in ("Q4_K_M", "Q5_K_M") and _more_bits(i_layer, n):
             t = "Q6_K"
+        elif ftype == "IQ3_XXS" and not state.has_imatrix:
+            t = "Q4_K" if i_layer < n // 8 else "Q3_K"
         elif ftype in _IQ4 and i_layer < n // 8 and not state.has_imatrix:
             t = "Q5_K"
         elif ftype == "Q4_K_S" and i_layer < n // 8:
@@ -177,6 +226,24 @@ def imatrix_weights(imatrix, name: str, shape: tuple) -> Optional[torch.Tensor]:
         raise ValueError(f"imatrix entry {name!r} has {w.numel()} values, the tensor {list(shape)} needs "
                          f"{k * n_mat} ({n_mat} x {k}): the imatrix was made for another model")
     return w.reshape(n_mat, k)
+
+
+def check_imatrix(name: str, target: str, ftype: str, imatrix, has_entry: bool = True) -> None:
+    """llama-quantize's refusal to write ``target`` (one of :data:`NEEDS_IMATRIX`) for tensor
+    ``name`` without importance weights (``token_embd`` and ``output`` excepted).
+
+    Raises:
+        ValueError: ``imatrix`` is None (naming the ``--imatrix`` option), or it has no entry for
+            ``name`` (``has_entry`` False).
+    """
+    if target not in NEEDS_IMATRIX or name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+        return
+    if imatrix is None:
+        raise ValueError(f"{ftype} needs an importance matrix (--imatrix FILE; imatrix= in Python), as "
+                         f"llama-quantize does: tensor {name!r} would be {target}")
+    if not has_entry:
+        raise ValueError(f"the imatrix has no entry for tensor {name!r}, which {ftype} writes as {target}: "
+                         f"an imatrix of this model is needed (llama-quantize refuses this too)")
 
 
 def _check_weighted(name: str, target: str) -> None:
@@ -238,8 +305,9 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
     Raises:
         ValueError: unknown ``ftype``, ``src`` equal to ``dst``, a tensor hanzo-torch cannot
             read or quantize (named), an imatrix entry of the wrong size or a target with no
-            importance-weighted quantizer here (Q4_0, Q4_1, Q5_0, Q5_1), all before anything is
-            written.
+            importance-weighted quantizer here (Q4_0, Q4_1, Q5_0, Q5_1), a file type that writes
+            :data:`NEEDS_IMATRIX` types (IQ3_XXS, IQ2_*, IQ1_*) without ``imatrix`` or a tensor it
+            lacks (:func:`check_imatrix`), all before anything is written.
         FileNotFoundError / GGUFError: ``src`` (or the imatrix file) is missing or malformed.
     """
     from .formats import get_format
@@ -279,6 +347,8 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
         if src_type is None:
             raise ValueError(f"{src}: tensor {name!r} has ggml type {info.qtype}, which hanzo-torch cannot read")
         plan[name] = tensor_type(name, tuple(info.shape), src_type, key, state)
+        if imatrix is None and _quantizable(name, len(info.shape)):
+            check_imatrix(name, plan[name], key, None)
         if (plan[name] != src_type or name in replace) and get_format(plan[name]).quantize_blocks is None \
                 and plan[name] not in _DENSE:
             raise ValueError(f"tensor {name!r}: hanzo-torch cannot quantize to {plan[name]}")
@@ -288,6 +358,8 @@ def requantize(src: str, dst: str, ftype: str, *, progress: bool = True,
             weights[name] = imatrix_weights(imatrix, name, tuple(infos[name].shape))
             if weights[name] is not None:
                 _check_weighted(name, plan[name])
+            else:
+                check_imatrix(name, plan[name], key, imatrix, has_entry=False)
 
     meta = dict(f.metadata)
     types = {}

@@ -91,7 +91,11 @@ def pack(x: np.ndarray, qtype: str, rng: np.random.Generator) -> np.ndarray:
     fmt = hanzo_torch.get_format(qtype)
     # K-quants keep the random-block fixtures below: the model tests' tolerances are set for them
     if fmt.quantize_blocks is not None and qtype not in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
-        return hanzo_torch.quantize(torch.from_numpy(x), qtype).numpy()
+        from hanzo_torch.formats import _kquant_native
+
+        # unit importance weights for the formats ggml quantizes only with weights
+        qw = torch.ones(x.shape[-1]) if qtype in _kquant_native.REQUIRES_WEIGHTS else None
+        return hanzo_torch.quantize(torch.from_numpy(x), qtype, quant_weights=qw).numpy()
     from tests.format_utils import FLOAT_FIELDS
 
     n_blocks = x.size // fmt.block_size

@@ -562,9 +562,28 @@ def test_conversion_with_imatrix(zoo, arch, tmp_path):
         assert torch.equal(f.packed(name)[e].reshape(want.shape), want), e
 
 
+def test_low_bit_conversion_needs_an_imatrix(zoo, tmp_path):
+    """IQ3_XXS / IQ2_* / IQ1_* conversions: refused without an imatrix as llama-quantize refuses
+    them (naming --imatrix), before anything is written; with one, the same file as requantize."""
+    folder, _, _ = zoo.get("qwen3moe")
+    out = tmp_path / "q.gguf"
+    with pytest.raises(ConvertError, match=r"IQ1_S needs an importance matrix \(--imatrix FILE"):
+        convert(folder, out, "IQ1_S", progress=False)
+    assert not out.exists()
+    im = _random_imatrix(zoo.f32("qwen3moe"))
+    plan = convert(folder, out, "IQ2_XS", progress=False, imatrix=im)
+    rq = tmp_path / "rq.gguf"
+    assert requantize(str(zoo.f32("qwen3moe")), str(rq), "IQ2_XS", progress=False, imatrix=im) == plan
+    assert plan["blk.0.ffn_up_exps.weight"] == "IQ2_XS"
+    f, g = hanzo_torch.GGUFFile(str(out)), hanzo_torch.GGUFFile(str(rq))
+    for name in plan:
+        assert torch.equal(f.packed(name), g.packed(name)), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "IQ4_XS", "IQ4_NL", "Q5_K_M"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "IQ4_XS", "IQ4_NL", "Q5_K_M", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS",
+                                   "IQ2_XXS", "IQ1_M", "IQ1_S"])
 def test_llama_quantize_imatrix_byte_identical(zoo, arch, ftype, tmp_path):
     """``llama-quantize --imatrix`` of the F32 conversion equals ``convert(..., imatrix=)``: types,
     bytes of every tensor and the ``quantize.imatrix.*`` keys (HANZO_LLAMA_BIN as above)."""

@@ -31,7 +31,7 @@ FLOAT_SCALED = [n for n in ALL if has_float_scales(n)]
 # tests/test_iq4_quantize.py)
 # gated against ggml's own quantizer instead (tests/test_kquant_*.py, test_iq4_quantize.py, test_iquant_quantize.py)
 KQUANT_QUANTIZERS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-                     "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S")
+                     "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 QUANTIZABLE = [n for n in ALL if hanzo_torch.FORMATS[n].quantize_blocks is not None and n not in KQUANT_QUANTIZERS]
 NOT_QUANTIZABLE = [n for n in ALL if hanzo_torch.FORMATS[n].quantize_blocks is None]
 OWN = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]

@@ -32,7 +32,7 @@ F16_SCALED = [n for n in OURS if field_kinds(n) <= {"f16", "f16_iq1m"}]  # fp16 
 BYTE_SCALED = [n for n in OURS if field_kinds(n) <= {"e8m0", "ue4m3"}]  # every byte a finite scale
 QUANTIZERS = ["TQ1_0", "TQ2_0", "MXFP4"]
 # no gguf quantizer: gated against ggml (tests/test_iq4_quantize.py, tests/test_iquant_quantize.py)
-GGML_QUANTIZERS = ["IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"]
+GGML_QUANTIZERS = ["IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]
 
 # fp16 bit patterns: the finite extremes of format_utils (max, -max, smallest subnormal of
 # both signs, smallest normal, zero), and 1.0, -0.0, +inf, NaN (two payloads)

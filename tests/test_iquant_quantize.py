@@ -1,4 +1,5 @@
-"""Properties of the codebook i-quant quantizers (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S; C kernel only), default suite.
+"""Properties of the codebook i-quant quantizers (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S,
+IQ1_M; C kernel only), default suite.
 
 Their oracle is ggml's own quantizer (tests/test_kquant_oracle.py, slow, needs libggml-base);
 here: round-trip error bounds through gguf's dequantizer (an independent decoder of the bytes),
@@ -15,11 +16,15 @@ import hanzo_torch
 from hanzo_torch.formats import _kquant_native
 from test_kquant_quantize import _gen, _rel_rms
 
-CODEBOOK = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"]
-NEEDS_WEIGHTS = ("IQ2_XXS", "IQ2_XS")  # as ggml_quantize_requires_imatrix
+CODEBOOK = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]
+NEEDS_WEIGHTS = ("IQ2_XXS", "IQ2_XS", "IQ1_S")  # as ggml_quantize_requires_imatrix
 # relative RMS error of dequantize(quantize(x)) on Gaussian rows (IQ2_XXS: unit weights);
-# measured 0.213, 0.166, 0.343, 0.299, 0.265: ~15 % room
-RMS_BOUND = {"IQ3_XXS": 0.245, "IQ3_S": 0.19, "IQ2_XXS": 0.395, "IQ2_XS": 0.345, "IQ2_S": 0.305}
+# measured 0.213, 0.166, 0.343, 0.299, 0.265, 0.489, 0.586 (IQ1_M without weights): ~15 % room
+RMS_BOUND = {"IQ3_XXS": 0.245, "IQ3_S": 0.19, "IQ2_XXS": 0.395, "IQ2_XS": 0.345, "IQ2_S": 0.305,
+             "IQ1_S": 0.56, "IQ1_M": 0.67}
+# weighted over plain error on the heavily weighted columns; IQ1_S (measured 0.80) has only
+# 8 scales per super-block and a shared delta sign per 32 values to spend the weights on
+HOT_RATIO = {"IQ1_S": 0.9}
 
 
 def _q(x, name, w=None):
@@ -57,7 +62,7 @@ def test_importance_weights_lower_the_error_where_large(name):
     plain = _gguf_dequantize(_q(x, name), name, x.shape)
     weighted = _gguf_dequantize(hanzo_torch.quantize(x, name, quant_weights=w), name, x.shape)
     hot = slice(None, None, 4)
-    assert _rel_rms(weighted[:, hot], x[:, hot]) < 0.8 * _rel_rms(plain[:, hot], x[:, hot])
+    assert _rel_rms(weighted[:, hot], x[:, hot]) < HOT_RATIO.get(name, 0.8) * _rel_rms(plain[:, hot], x[:, hot])
     assert _rel_rms(weighted, x) < 1.5 * RMS_BOUND[name]
 
 

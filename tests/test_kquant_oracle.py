@@ -22,8 +22,8 @@ import hanzo_torch
 KQ = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 IQ4 = ["IQ4_NL", "IQ4_XS"]
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]
-CODEBOOK = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"]  # the C kernel only
-NEEDS_WEIGHTS = ["IQ2_XXS", "IQ2_XS"]  # ggml_quantize_requires_imatrix
+CODEBOOK = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]  # the C kernel only
+NEEDS_WEIGHTS = ["IQ2_XXS", "IQ2_XS", "IQ1_S"]  # ggml_quantize_requires_imatrix
 
 pytestmark = pytest.mark.slow
 
@@ -186,14 +186,12 @@ def test_requantize_real_model_matches_llama_quantize(tmp_path):
         assert torch.equal(a.packed(name).reshape(-1), b.packed(name).reshape(-1)), name
 
 
-def test_requantize_real_model_with_imatrix_matches_llama_quantize(tmp_path):
-    """The real model's F16 copy quantized to Q4_K_M and IQ4_XS with an imatrix llama-imatrix made
-    (4 chunks of 128 tokens): every tensor's type and bytes equal llama-quantize --imatrix's."""
+def _f16_and_imatrix(tmp_path):
+    """The real model's F16 copy (llama-quantize) and an imatrix llama-imatrix made over 4 chunks
+    of 128 tokens; (lib_dir, env, f16 path, imatrix path). Skips without the tools."""
     import subprocess
 
     from conftest import real_model_path
-
-    from hanzo_torch.requantize import requantize
 
     lib_dir = Path(os.environ.get("HANZO_GGML_LIB") or ".").parent
     if not (lib_dir / "llama-quantize").is_file() or not (lib_dir / "llama-imatrix").is_file():
@@ -208,15 +206,40 @@ def test_requantize_real_model_with_imatrix_matches_llama_quantize(tmp_path):
     # -nr: llama.cpp's AMX repacked weights crash its imatrix callback on AMX machines
     subprocess.run([str(lib_dir / "llama-imatrix"), "-m", str(src), "-f", str(text), "-o", str(im), "-c", "128",
                     "-b", "128", "--chunks", "4", "--no-ppl", "-nr", "-t", "2"], check=True, capture_output=True, env=env)
+    return lib_dir, env, f16, im
+
+
+def _same_as_llama_quantize(tmp_path, lib_dir, env, f16, im, ftype):
+    import subprocess
+
+    from hanzo_torch.requantize import requantize
+
+    theirs, ours = tmp_path / f"llama-{ftype}.gguf", tmp_path / f"ours-{ftype}.gguf"
+    subprocess.run([str(lib_dir / "llama-quantize"), "--imatrix", str(im), str(f16), str(theirs), ftype, "2"],
+                   check=True, capture_output=True, env=env)
+    requantize(str(f16), str(ours), ftype, progress=False, imatrix=str(im))
+    a, b = hanzo_torch.GGUFFile(ours), hanzo_torch.GGUFFile(theirs)
+    assert set(a.tensor_info) == set(b.tensor_info)
+    for name in a.tensor_info:
+        assert a.tensor_info[name].qtype == b.tensor_info[name].qtype, (ftype, name)
+        assert torch.equal(a.packed(name).reshape(-1), b.packed(name).reshape(-1)), (ftype, name)
+    for key in ("quantize.imatrix.file", "quantize.imatrix.entries_count", "quantize.imatrix.chunks_count"):
+        assert a.metadata[key] == b.metadata[key], key
+    theirs.unlink()
+    ours.unlink()
+
+
+def test_requantize_real_model_with_imatrix_matches_llama_quantize(tmp_path):
+    """The real model's F16 copy quantized to Q4_K_M and IQ4_XS with an imatrix llama-imatrix made
+    (4 chunks of 128 tokens): every tensor's type and bytes equal llama-quantize --imatrix's."""
+    lib_dir, env, f16, im = _f16_and_imatrix(tmp_path)
     for ftype in ("Q4_K_M", "IQ4_XS"):
-        theirs, ours = tmp_path / f"llama-{ftype}.gguf", tmp_path / f"ours-{ftype}.gguf"
-        subprocess.run([str(lib_dir / "llama-quantize"), "--imatrix", str(im), str(f16), str(theirs), ftype, "2"],
-                       check=True, capture_output=True, env=env)
-        requantize(str(f16), str(ours), ftype, progress=False, imatrix=str(im))
-        a, b = hanzo_torch.GGUFFile(ours), hanzo_torch.GGUFFile(theirs)
-        assert set(a.tensor_info) == set(b.tensor_info)
-        for name in a.tensor_info:
-            assert a.tensor_info[name].qtype == b.tensor_info[name].qtype, (ftype, name)
-            assert torch.equal(a.packed(name).reshape(-1), b.packed(name).reshape(-1)), (ftype, name)
-        for key in ("quantize.imatrix.file", "quantize.imatrix.entries_count", "quantize.imatrix.chunks_count"):
-            assert a.metadata[key] == b.metadata[key], key
+        _same_as_llama_quantize(tmp_path, lib_dir, env, f16, im, ftype)
+
+
+@pytest.mark.parametrize("ftype", ["IQ3_S", "IQ2_XS"])
+def test_requantize_real_model_codebook_file_types_match_llama_quantize(tmp_path, ftype):
+    """As above for the codebook i-quant file types (long: llama-quantize alone takes about 15 min
+    for IQ3_S on 2 busy AVX2 cores, hanzo-torch about the same)."""
+    lib_dir, env, f16, im = _f16_and_imatrix(tmp_path)
+    _same_as_llama_quantize(tmp_path, lib_dir, env, f16, im, ftype)

@@ -251,7 +251,8 @@ def quantize(tensor: torch.Tensor, qtype: Union[str, int, Format],
         quant_weights: optional importance weights, float ``[K]`` (one per column, shared by all
             rows: llama-quantize's per-tensor imatrix entry, see :mod:`hanzo_torch.imatrix`);
             formats with a ``quantize_weighted`` only (Q2_K..Q6_K, Q4_0..Q5_1, IQ4_NL, IQ4_XS,
-            IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S); required for IQ2_XXS and IQ2_XS, as in ggml.
+            IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M); required for IQ2_XXS, IQ2_XS
+            and IQ1_S, as in ggml (``ggml_quantize_requires_imatrix``).
 
     Returns:
         ``uint8 [..., K // block_size * type_size]`` byte-identical to ``gguf.quants.quantize``;
@@ -260,12 +261,12 @@ def quantize(tensor: torch.Tensor, qtype: Union[str, int, Format],
         :mod:`hanzo_torch.formats.kquant_search`, :mod:`hanzo_torch.formats.iq4_search`).
 
     Raises:
-        NotImplementedError: the format has no quantizer in hanzo-torch (IQ1_S, IQ1_M; with
-            ``quant_weights``: no importance-weighted one; K-quants with weights and the codebook
-            i-quants also when the C kernel is unavailable).
+        NotImplementedError: the format has no quantizer in hanzo-torch (NVFP4, Q1_0; with
+            ``quant_weights``: no importance-weighted one; K-quants with weights and
+            the codebook i-quants also when the C kernel is unavailable).
         ValueError: K is not a multiple of the block size; a non-finite value (K-quants, IQ4,
             codebook i-quants); ``quant_weights`` not of shape ``[K]`` or not finite, or missing
-            for IQ2_XXS / IQ2_XS.
+            for IQ2_XXS / IQ2_XS / IQ1_S.
     """
     fmt = get_format(qtype)
     shape = tuple(tensor.shape)

@@ -24,12 +24,12 @@ from .. import _native
 _PKG = Path(__file__).resolve().parents[1] / "_csrc" / "quant" / "kquants.c"
 SOURCE = _PKG if _PKG.is_file() else Path(__file__).resolve().parents[2] / "csrc" / "quant" / "kquants.c"
 KINDS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
-ROW_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+ROW_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 """The formats ``hz_quantize_rows`` quantizes (the last four with importance weights only)."""
 WEIGHTED_ONLY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
-KERNEL_ONLY = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S")
+KERNEL_ONLY = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 """Formats quantized by the C kernel only (no torch version)."""
-REQUIRES_WEIGHTS = ("IQ2_XXS", "IQ2_XS")
+REQUIRES_WEIGHTS = ("IQ2_XXS", "IQ2_XS", "IQ1_S")
 """Formats ggml quantizes only with importance weights (``ggml_quantize_requires_imatrix``)."""
 
 _lock = threading.Lock()

@@ -27,7 +27,7 @@ from . import _kquant_native, kquant_search
 from ._bits import check_values
 
 __all__ = ["quantize_iq4_nl", "quantize_iq4_xs", "quantize_iq3_xxs", "quantize_iq3_s", "quantize_iq2_xxs", "quantize_iq2_xs",
-           "quantize_iq2_s", "quantize_rows"]
+           "quantize_iq2_s", "quantize_iq1_s", "quantize_iq1_m", "quantize_rows"]
 
 GROUP = 32
 NTRY = 7
@@ -235,3 +235,5 @@ quantize_iq3_s = _blocks_fn("IQ3_S")
 quantize_iq2_xxs = _blocks_fn("IQ2_XXS")  # raises: IQ2_XXS needs weights
 quantize_iq2_xs = _blocks_fn("IQ2_XS")  # raises: IQ2_XS needs weights
 quantize_iq2_s = _blocks_fn("IQ2_S")
+quantize_iq1_s = _blocks_fn("IQ1_S")  # raises: IQ1_S needs weights
+quantize_iq1_m = _blocks_fn("IQ1_M")

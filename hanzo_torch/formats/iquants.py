@@ -5,7 +5,7 @@ their float32 operation order are those of ``gguf.quants`` (the numpy oracle), w
 function here repeats, so the results are bit-identical to it. Of the i-quants hanzo-torch
 quantizes IQ4_NL and IQ4_XS (:mod:`hanzo_torch.formats.iq4_search`, byte-identical to ggml's)
 and, in the C kernel only (``csrc/quant/kquants.c``, which holds ggml's quantization grids as
-level codes), IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS and IQ2_S; IQ1_S and IQ1_M have no quantizer here.
+level codes), IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M.
 
 The codebooks (grids) and the IQ4 non-linear levels are read from the ``gguf`` package at
 import (``gguf.quants.<TYPE>.init_grid()`` / ``.grid``, ``.kvalues``), turned into torch tensors
@@ -283,7 +283,8 @@ IQ2_XS = _iq("IQ2_XS", _iq2_xs_dequantize, _IQ2_XS, {"grid": _GRID_IQ2_XS}, 16,
              quantize=iq4_search.quantize_iq2_xs, weighted=iq4_search.WEIGHTED["IQ2_XS"])
 IQ3_XXS = _iq("IQ3_XXS", _iq3_xxs_dequantize, _IQ3_XXS, {"grid": _GRID_IQ3_XXS}, 32,
               quantize=iq4_search.quantize_iq3_xxs, weighted=iq4_search.WEIGHTED["IQ3_XXS"])
-IQ1_S = _iq("IQ1_S", _iq1_s_dequantize, _IQ1_S, {"grid": _GRID_IQ1}, 32)
+IQ1_S = _iq("IQ1_S", _iq1_s_dequantize, _IQ1_S, {"grid": _GRID_IQ1}, 32,
+            quantize=iq4_search.quantize_iq1_s, weighted=iq4_search.WEIGHTED["IQ1_S"])
 IQ4_NL = _iq("IQ4_NL", _iq4_nl_dequantize, _IQ4_NL, {"kvalues": _KVALUES_IQ4}, 32, vec_dot_type="q8_0",
              quantize=iq4_search.quantize_iq4_nl, weighted=iq4_search.WEIGHTED["IQ4_NL"])
 IQ3_S = _iq("IQ3_S", _iq3_s_dequantize, _IQ3_S, {"grid": _GRID_IQ3_S}, 32,
@@ -292,6 +293,7 @@ IQ2_S = _iq("IQ2_S", _iq2_s_dequantize, _IQ2_S, {"grid": _GRID_IQ2_S}, 16,
             quantize=iq4_search.quantize_iq2_s, weighted=iq4_search.WEIGHTED["IQ2_S"])
 IQ4_XS = _iq("IQ4_XS", _iq4_xs_dequantize, _IQ4_XS, {"kvalues": _KVALUES_IQ4}, 32,
              quantize=iq4_search.quantize_iq4_xs, weighted=iq4_search.WEIGHTED["IQ4_XS"])
-IQ1_M = _iq("IQ1_M", _iq1_m_dequantize, _IQ1_M, {"grid": _GRID_IQ1}, 8)
+IQ1_M = _iq("IQ1_M", _iq1_m_dequantize, _IQ1_M, {"grid": _GRID_IQ1}, 8,
+            quantize=iq4_search.quantize_iq1_m, weighted=iq4_search.WEIGHTED["IQ1_M"])
 
 IQ_FORMATS: tuple[str, ...] = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
