@@ -5,11 +5,13 @@ position 0 against a cache of S slots; decode: one token at position P. Prints t
 range (min-max) of ``--reps`` timings, and the GFLOP/s of the causal work (4*D flops per visible
 (query head, key) pair). Calls of T > 1 tokens run once per kernel of ``--paths`` (``flash``: the
 online-softmax tiles, the default kernel; ``gemm``: the earlier BLAS GEMM tiles), the kernels
-alternating within each repetition so that load hits both alike. ``--kv`` picks the KV cache
-element format, ``--depth`` the tokens already in the cache before the prompt.
+alternating within each repetition so that load hits both alike; one-token calls likewise per
+kernel of ``--decode-paths`` (``flash``: the same tiles, the default; ``rows``: split-K row by
+row). ``--kv`` picks the KV cache element format, ``--depth`` the tokens already in the cache
+before the prompt.
 
     python benchmarks/bench_cpu_attention.py --prefill 128,512,1024 --decode 100,1000 [--kv f16]
-        [--paths flash,gemm] [--depth 0]
+        [--paths flash,gemm] [--decode-paths flash,rows] [--depth 0]
 """
 from __future__ import annotations
 
@@ -37,9 +39,9 @@ def timings(fns: dict, reps: int) -> dict:
     return out
 
 
-def under(path: str, fn):
+def under(path: str, fn, use=cf.use_attention_prefill):
     def run():
-        with cf.use_attention_prefill(path):
+        with use(path):
             return fn()
     return run
 
@@ -54,12 +56,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--kv", default="f32", choices=list(ref.KV_CACHE_DTYPES), help="KV cache element format")
     ap.add_argument("--paths", default="flash,gemm", help="kernels of T > 1 calls to compare: flash, gemm")
+    ap.add_argument("--decode-paths", default="flash,rows", help="kernels of one-token calls: flash, rows")
     ap.add_argument("--depth", type=int, default=0, help="prefill: tokens already in the cache")
     args = ap.parse_args()
     paths = [p for p in args.paths.split(",") if p]
     bad = [p for p in paths if p not in cf.ATTENTION_PREFILL_PATHS]
     if bad or not paths:
         ap.error(f"--paths: {bad or paths} not in {cf.ATTENTION_PREFILL_PATHS}")
+    dpaths = [p for p in args.decode_paths.split(",") if p]
+    if not dpaths or any(p not in cf.ATTENTION_DECODE_PATHS for p in dpaths):
+        ap.error(f"--decode-paths: {dpaths} not in {cf.ATTENTION_DECODE_PATHS}")
     torch.set_num_threads(args.threads)
     Hq, Hk, D = (int(v) for v in args.heads.split(","))
     dtype = getattr(torch, args.dtype)
@@ -79,7 +85,8 @@ def main() -> None:
             pos = torch.tensor([[n]])
             flop = 4 * D * Hq * (n + 1)
         call = lambda: cf.attention(q, kc, vc, pos, D ** -0.5)  # noqa: E731
-        fns = {p: under(p, call) for p in paths} if kind == "prefill" else {"decode": call}
+        fns = {p: under(p, call) for p in paths} if kind == "prefill" else \
+            {p: under(p, call, cf.use_attention_decode) for p in dpaths}
         for name, ts in timings(fns, args.reps).items():
             med = statistics.median(ts)
             print(f"{kind:8s} {n:5d} {name:6s}: {med * 1e6:10.1f} us (range {min(ts) * 1e6:.1f}-{max(ts) * 1e6:.1f})"

@@ -3,7 +3,7 @@
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
         [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args="-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
-        [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--profile]
+        [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--decode-attention-ab] [--profile]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
 per row per round, ``--reps`` rounds), so load on a shared machine hits them alike; the table gives
@@ -50,6 +50,10 @@ average is printed with every round.
 ``--matvec-ab`` adds our model once more with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows
 (``set_matvec512(False)``, what ``HANZO_CPU_MATVEC512=0`` gives), same weights, alternating; its
 ratio column is 512-bit / 256-bit rows.
+
+``--decode-attention-ab`` adds our model once more with one-token attention calls on the
+row-by-row split-K kernel (``use_attention_decode("rows")``) instead of the flash tiles, same
+weights, alternating; its ratio column is tiles / rows (the tg rows at depth show it).
 
 ``--repack-ab`` adds our model once more with the 256-bit Q4_K / Q6_K GEMM on row-by-row tiles instead of
 row-interleaved panels (``set_repack(False)``, what ``HANZO_CPU_REPACK=0`` gives), same weights,
@@ -158,6 +162,22 @@ class HanzoGemmAttention:
 
     def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
         with self.fused.use_attention_prefill("gemm"):
+            return self.ours.measure(row, ctx, ids)
+
+
+class HanzoRowsAttention:
+    """The same loaded model with one-token attention calls on the row-by-row split-K kernel
+    instead of the flash tiles (``--decode-attention-ab``; ``use_attention_decode("rows")``)."""
+
+    name = "hanzo-torch (rows decode attention)"
+
+    def __init__(self, ours: Hanzo):
+        from hanzo_torch.backends.cpu import fused
+
+        self.ours, self.fused, self.version = ours, fused, ours.version
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        with self.fused.use_attention_decode("rows"):
             return self.ours.measure(row, ctx, ids)
 
 
@@ -424,6 +444,8 @@ def main() -> None:
     ap.add_argument("--busy-kind", choices=sorted(BUSY_CODE), default="spin")
     ap.add_argument("--attention-ab", action="store_true",
                     help="also run our model with the earlier (BLAS GEMM tile) prompt attention kernel")
+    ap.add_argument("--decode-attention-ab", action="store_true",
+                    help="also run our model with the row-by-row one-token attention kernel")
     ap.add_argument("--threads-ab", action="store_true",
                     help="also run our model with the adaptive thread count off")
     ap.add_argument("--matvec-ab", action="store_true",
@@ -452,6 +474,8 @@ def main() -> None:
     engines = [Hanzo(args.model, n_ctx)]
     if args.attention_ab:
         engines.append(HanzoGemmAttention(engines[0]))
+    if args.decode_attention_ab:
+        engines.append(HanzoRowsAttention(engines[0]))
     if args.threads_ab:
         engines.append(HanzoFixedThreads(engines[0]))
     if args.matvec_ab:
@@ -500,7 +524,7 @@ def main() -> None:
                 ctx = torch.randint(100, 20000, (row.ctx_len,), generator=g).tolist()
                 ids = torch.randint(100, 20000, (row.n if row.kind == "pp" else 0,), generator=g).tolist()
                 for e in engines:
-                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoFixedThreads, HanzoMatvec256, HanzoNoRepack)) else None
+                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoRowsAttention, HanzoFixedThreads, HanzoMatvec256, HanzoNoRepack)) else None
                     v = e.measure(row, ctx, ids)
                     if s0 is not None:
                         s1 = hcpu.thread_stats()

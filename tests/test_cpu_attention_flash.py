@@ -1,4 +1,6 @@
-"""The CPU attention kernel for T > 1 query tokens (flash-style tiles, csrc/cpu/fused.cpp) at its tile edges.
+"""The CPU attention kernel (flash-style tiles, csrc/cpu/fused.cpp) at its tile edges.
+
+Prompts and single decode tokens both run it (one token: a query tile of the G heads of a group).
 
 The kernel cuts a call into query tiles of ~48 rows (Tq = ceil(48 / G) tokens times the G query
 heads of one KV head) and key tiles of 64 keys up to each query tile's largest position, with an
@@ -152,6 +154,31 @@ def test_gemm_path_agrees_and_switch_restores():
     close(gemm, want, torch.float32)
     with pytest.raises(ValueError, match="must be one of"):
         with cf.use_attention_prefill("fast"):
+            pass
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "bf16", "q8_0"])
+def test_one_token_tiles_and_rows_kernel(kv):
+    """One query token per sequence (decode): the tiles (default) and the row-by-row kernel of
+    ``use_attention_decode("rows")`` against the reference, at positions that end inside a key
+    tile, on a context long enough to split the key range (2 x 4 units of >= 512 keys), batch
+    rows at different depths; threads 4 and 1 give the same bits."""
+    prev = torch.get_num_threads()
+    try:
+        q, kc, vc, pos = inputs(2, 12, 2, 128, 2200, [[2100], [77]], kv=kv)
+        want = expect(q, kc, vc, pos, 0.09)
+        torch.set_num_threads(4)
+        tiles = cf.attention(q, kc, vc, pos, 0.09)
+        with cf.use_attention_decode("rows"):
+            rows = cf.attention(q, kc, vc, pos, 0.09)
+        close(tiles, want, torch.float32)
+        close(rows, want, torch.float32)
+        torch.set_num_threads(1)
+        assert torch.equal(cf.attention(q, kc, vc, pos, 0.09), tiles)  # the tiles again after the block
+    finally:
+        torch.set_num_threads(prev)
+    with pytest.raises(ValueError, match="must be one of"):
+        with cf.use_attention_decode("fast"):
             pass
 
 

@@ -3,11 +3,13 @@
 // loops over rows in float32 (f16/bf16 inputs are converted per element, results rounded once to the input dtype),
 // with the same maths as the references in hanzo_torch/ops/fused.py. The KV cache may be float32,
 // float16, bfloat16 or q8_0 blocks whatever the activation dtype (see "KV cache element formats").
-// Attention of one query token (decode) reads each KV head's rows once for all its query heads
-// (split over key chunks); of T > 1 tokens, flash-style tiles (attention_flash): query tiles x key
-// tiles with an online softmax, each key tile read from the cache once for a tile of tokens and all
-// the query heads of its group. The earlier prompt kernel (two ATen/BLAS GEMMs per token tile on a
-// float32 copy of the live prefix) stays selectable in process (set_attention_prefill) for A/B.
+// Attention runs as flash-style tiles (attention_flash): query tiles x key tiles with an online
+// softmax, each key tile read from the cache once (converted to float32 once) for a tile of tokens
+// and all the query heads of its group; one query token (decode) is a tile of the G heads of a
+// group, its key range split into units for the threads. Two other kernels stay selectable in
+// process for A/B: of prompts, two ATen/BLAS GEMMs per token tile on a float32 copy of the live
+// prefix (set_attention_prefill); of one token, split-K over one key or value row at a time
+// (attention_decode, set_attention_decode).
 //
 // Registered with the torch dispatcher as the namespace ``hanzo_cpu`` (so this file needs no hook in
 // the pybind module of ops.cpp); hanzo_torch/backends/cpu/fused.py calls them after the op wrappers in
@@ -17,7 +19,7 @@
 // Threading: decode shapes are a few thousand floats per op, where waking the intra-op pool costs
 // more than the work, so a parallel region (hz_run_tasks of threading.h: tasks from a shared
 // counter, run serially while the adaptive controller holds regions serial) is opened only above
-// kParallelWork floats of work; decode attention only above kAttnParallelWork. No split depends
+// kParallelWork floats of work; attention only above ~4 MFLOP (attention_decode: kAttnParallelWork). No split depends
 // on the thread count, so results are the same bits with any number of threads.
 #include <torch/library.h>
 #include "../common/hz_constants.h"
@@ -1171,6 +1173,18 @@ int64_t set_attention_prefill(int64_t path) {
     return g_attn_prefill.exchange(path);
 }
 
+// Which kernel runs calls of one query token: kDecodeFlash (attention_flash: key tiles converted
+// to float32 once, register-tiled scores and P*V for the G heads of a group), or kDecodeRows
+// (attention_decode: one key or value row at a time). set_attention_decode, for A/B in one process.
+constexpr int64_t kDecodeFlash = 0, kDecodeRows = 1;
+std::atomic<int64_t> g_attn_decode{kDecodeFlash};
+
+int64_t set_attention_decode(int64_t path) {
+    TORCH_CHECK(path == kDecodeFlash || path == kDecodeRows, "hanzo_cpu.set_attention_decode: path ", path,
+                " is not 0 (flash) or 1 (rows)");
+    return g_attn_decode.exchange(path);
+}
+
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::Tensor& vc_in,
                      const at::Tensor& positions, double scale) {
     check_cpu(q_in, "attention", "q");
@@ -1208,7 +1222,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::
             const at::Tensor kc = kc_in.contiguous(), vc = vc_in.contiguous();
             const auto* kp = static_cast<const uint8_t*>(kc.data_ptr());
             const auto* vp = static_cast<const uint8_t*>(vc.data_ptr());
-            if (flash && T > 1)
+            if (flash && (T > 1 || g_attn_decode.load(std::memory_order_relaxed) == kDecodeFlash))
                 attention_flash(q.data_ptr<float>(), kp, vp, out.data_ptr<float>(), pp, B, T, Hq, Hk, D, S, kind,
                                 static_cast<float>(scale));
             else
@@ -1273,5 +1287,6 @@ TORCH_LIBRARY(hanzo_cpu, m) {
           &qk_norm_rope_kv_write);
     m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale) -> Tensor", &attention);
     m.def("set_attention_prefill(int path) -> int", &set_attention_prefill);
+    m.def("set_attention_decode(int path) -> int", &set_attention_decode);
     m.def("moe_route(Tensor probs, int k, bool normalize) -> (Tensor, Tensor)", &moe_route);
 }

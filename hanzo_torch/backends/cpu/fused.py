@@ -46,7 +46,8 @@ from torch import Tensor
 from ...ops import fused as _ref
 
 __all__ = ["rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "qk_norm_rope_kv_write", "attention",
-           "moe_route", "OPS", "ATTENTION_PREFILL_PATHS", "use_attention_prefill"]
+           "moe_route", "OPS", "ATTENTION_PREFILL_PATHS", "use_attention_prefill",
+           "ATTENTION_DECODE_PATHS", "use_attention_decode"]
 
 OPS = ("rms_norm", "add_rms_norm", "swiglu", "qk_norm_rope", "kv_cache_write", "qk_norm_rope_kv_write", "attention",
        "moe_route")
@@ -128,6 +129,35 @@ def use_attention_prefill(path: str) -> Iterator[None]:
         raise RuntimeError("use_attention_prefill: the C++ CPU kernels are not available")
     op = torch.ops.hanzo_cpu.set_attention_prefill.default
     prev = op(ATTENTION_PREFILL_PATHS.index(path))
+    try:
+        yield
+    finally:
+        op(prev)
+
+
+ATTENTION_DECODE_PATHS = ("flash", "rows")
+"""Kernels of CPU attention calls with one query token: ``flash`` (the default: the prefill's
+tiles, key and value tiles of 64 rows converted to float32 once and register-tiled over the G
+query heads of a group) and ``rows`` (split-K over one key or value row at a time)."""
+
+
+@contextlib.contextmanager
+def use_attention_decode(path: str) -> Iterator[None]:
+    """Run CPU attention calls of one query token with kernel ``path`` inside the block.
+
+    ``path`` is one of :data:`ATTENTION_DECODE_PATHS`; process-wide and restored on exit, as
+    :func:`use_attention_prefill` (for comparing the kernels in one process).
+
+    Raises:
+        ValueError: ``path`` is not one of :data:`ATTENTION_DECODE_PATHS`.
+        RuntimeError: the C++ extension cannot be built.
+    """
+    if path not in ATTENTION_DECODE_PATHS:
+        raise ValueError(f"use_attention_decode: path must be one of {ATTENTION_DECODE_PATHS}, got {path!r}")
+    if _kernel("attention") is None:
+        raise RuntimeError("use_attention_decode: the C++ CPU kernels are not available")
+    op = torch.ops.hanzo_cpu.set_attention_decode.default
+    prev = op(ATTENTION_DECODE_PATHS.index(path))
     try:
         yield
     finally:
