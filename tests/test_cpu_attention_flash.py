@@ -182,6 +182,19 @@ def test_one_token_tiles_and_rows_kernel(kv):
             pass
 
 
+@pytest.mark.parametrize("G,D", [(1, 64), (4, 128), (5, 64), (8, 128), (12, 64), (6, 40)])
+def test_one_token_f16_cache_in_place(G, D):
+    """f16 caches at decode are read in place by the f16 tiles (query tiles of <= 12 rows, D a
+    multiple of 16: 6-row tiles and a remainder of 1..5 rows); D = 40 takes the float32 copy.
+    Odd key counts (the 2-key score tiles' single last key), key ranges ending inside a key tile,
+    two batch rows, and two tokens (12 or more rows: the tiles of a prompt)."""
+    Hk = 2
+    q, kc, vc, pos = inputs(2, G * Hk, Hk, D, 700, [[600], [130]], kv="f16", seed=G * D)
+    close(cf.attention(q, kc, vc, pos, 0.1), expect(q, kc, vc, pos, 0.1), torch.float32)
+    q2, kc, vc, pos2 = inputs(1, G * Hk, Hk, D, 300, [[200, 201]], kv="f16", seed=G + D)
+    close(cf.attention(q2, kc, vc, pos2, 0.1), expect(q2, kc, vc, pos2, 0.1), torch.float32)
+
+
 def test_tolerance_catches_a_wrong_position():
     q, kc, vc, pos = inputs(1, 12, 2, 128, 100, [list(range(20, 45))], kv="q8_0")
     good = expect(q, kc, vc, pos, 0.1)

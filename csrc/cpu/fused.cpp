@@ -464,6 +464,11 @@ struct FlashLoops {
                  int64_t N, int64_t K, bool accumulate);
     float (*scale_max)(float* s, int64_t n, float sc);
     float (*exp_sum)(float* s, int64_t n, float m);
+    // scores and P*V (accumulating, N a multiple of 16) on f16 rows read in place; null without them
+    void (*scores_f16)(const float* Q, int64_t R, int64_t D, const uint16_t* K, int64_t ldk, int64_t nk, float* S,
+                       int64_t lds);
+    void (*pv_f16)(const float* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc, int64_t R,
+                   int64_t N, int64_t K);
 };
 
 void qk_generic(const float* Q, int64_t R, int64_t D, const float* K, int64_t ldk, int64_t nk, float* S,
@@ -630,6 +635,115 @@ __attribute__((target("avx2,fma"))) void gemm_avx2(const float* A, int64_t lda, 
     }
     if (n < N) gemm_generic(A, lda, B + n, ldb, C + n, ldc, R, N - n, K, accumulate);
 }
+
+// Decode tiles on an f16 cache read in place (no float32 copy of the key and value tiles): each
+// 8-value load is converted by vcvtph2ps as it is used. Scores: up to 6 query rows x 2 keys (12
+// accumulators), so a key row is converted once per 6 rows; P*V: 6 x 16 register tiles as
+// gemm_tile_avx2, a value row converted once per 6 rows. Used where the rows of a tile are few
+// (decode: the G heads of one group), where converting a tile once and reading it back is the
+// larger cost; D must be a multiple of 16.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 ldh8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int MR, int NR>
+__attribute__((target("avx2,fma,f16c"))) inline void qk_tile_f16(const float* Q, int64_t D, const uint16_t* K,
+                                                                int64_t ldk, float* S, int64_t lds) {
+    __m256 c[MR][NR];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+        for (int j = 0; j < NR; ++j) c[r][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 kv[NR];
+#pragma GCC unroll 2
+        for (int j = 0; j < NR; ++j) kv[j] = ldh8(K + j * ldk + d);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) {
+            const __m256 qv = _mm256_loadu_ps(Q + r * D + d);
+#pragma GCC unroll 2
+            for (int j = 0; j < NR; ++j) c[r][j] = _mm256_fmadd_ps(qv, kv[j], c[r][j]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+        if constexpr (NR == 2) {  // [k0 0+1, k0 2+3, k1 0+1, k1 2+3 | 4..7 likewise], halves added, pairs added
+            const __m256 h = _mm256_hadd_ps(c[r][0], c[r][1]);
+            const __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storel_pi(reinterpret_cast<__m64*>(S + r * lds), _mm_hadd_ps(x, x));
+        } else {
+            S[r * lds] = hsum8(c[r][0]);
+        }
+    }
+}
+
+template <int MR>
+__attribute__((target("avx2,fma,f16c"))) void qk_rows_f16(const float* Q, int64_t D, const uint16_t* K, int64_t ldk,
+                                                         int64_t nk, float* S, int64_t lds) {
+    int64_t j = 0;
+    for (; j + 2 <= nk; j += 2) qk_tile_f16<MR, 2>(Q, D, K + j * ldk, ldk, S + j, lds);
+    if (j < nk) qk_tile_f16<MR, 1>(Q, D, K + j * ldk, ldk, S + j, lds);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void qk_f16_avx2(const float* Q, int64_t R, int64_t D, const uint16_t* K,
+                                                         int64_t ldk, int64_t nk, float* S, int64_t lds) {
+    int64_t r = 0;
+    for (; r + 6 <= R; r += 6) qk_rows_f16<6>(Q + r * D, D, K, ldk, nk, S + r * lds, lds);
+    const float* q = Q + r * D;
+    float* s = S + r * lds;
+    switch (R - r) {
+        case 5: qk_rows_f16<5>(q, D, K, ldk, nk, s, lds); break;
+        case 4: qk_rows_f16<4>(q, D, K, ldk, nk, s, lds); break;
+        case 3: qk_rows_f16<3>(q, D, K, ldk, nk, s, lds); break;
+        case 2: qk_rows_f16<2>(q, D, K, ldk, nk, s, lds); break;
+        case 1: qk_rows_f16<1>(q, D, K, ldk, nk, s, lds); break;
+        default: break;
+    }
+}
+
+template <int MR>
+__attribute__((target("avx2,fma,f16c"))) inline void pv_tile_f16(const float* A, int64_t lda, const uint16_t* B,
+                                                                int64_t ldb, float* C, int64_t ldc, int64_t K) {
+    __m256 c[MR][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+        c[r][0] = _mm256_loadu_ps(C + r * ldc);
+        c[r][1] = _mm256_loadu_ps(C + r * ldc + 8);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+        const __m256 b0 = ldh8(B + k * ldb), b1 = ldh8(B + k * ldb + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) {
+            const __m256 a = _mm256_broadcast_ss(A + r * lda + k);
+            c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
+            c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+        _mm256_storeu_ps(C + r * ldc, c[r][0]);
+        _mm256_storeu_ps(C + r * ldc + 8, c[r][1]);
+    }
+}
+
+// C[R x N] += A[R x K] B[K x N], B an f16 row-major tile (row stride ldb), N a multiple of 16.
+__attribute__((target("avx2,fma,f16c"))) void pv_f16_avx2(const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                                                         float* C, int64_t ldc, int64_t R, int64_t N, int64_t K) {
+    for (int64_t n = 0; n < N; n += 16) {
+        int64_t r = 0;
+        for (; r + 6 <= R; r += 6) pv_tile_f16<6>(A + r * lda, lda, B + n, ldb, C + r * ldc + n, ldc, K);
+        const float* a = A + r * lda;
+        float* c = C + r * ldc + n;
+        switch (R - r) {
+            case 5: pv_tile_f16<5>(a, lda, B + n, ldb, c, ldc, K); break;
+            case 4: pv_tile_f16<4>(a, lda, B + n, ldb, c, ldc, K); break;
+            case 3: pv_tile_f16<3>(a, lda, B + n, ldb, c, ldc, K); break;
+            case 2: pv_tile_f16<2>(a, lda, B + n, ldb, c, ldc, K); break;
+            case 1: pv_tile_f16<1>(a, lda, B + n, ldb, c, ldc, K); break;
+            default: break;
+        }
+    }
+}
 #else
 void gemm_avx2(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t R,
                int64_t N, int64_t K, bool accumulate) {
@@ -639,12 +753,15 @@ void qk_avx2(const float* Q, int64_t R, int64_t D, const float* K, int64_t ldk, 
     qk_generic(Q, R, D, K, ldk, nk, S, lds);
 }
 float scale_max_avx2(float* s, int64_t n, float sc) { return scale_max_generic(s, n, sc); }
+void qk_f16_avx2(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t) {}
+void pv_f16_avx2(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
 FlashLoops flash_loops() {
     if (has_avx2_fma() && hz_active_isa.load(std::memory_order_relaxed) >= 1)
-        return {qk_avx2, gemm_avx2, scale_max_avx2, exp_sum_avx2};
-    return {qk_generic, gemm_generic, scale_max_generic, exp_sum_generic};
+        return {qk_avx2, gemm_avx2, scale_max_avx2, exp_sum_avx2, has_f16c() ? qk_f16_avx2 : nullptr,
+                has_f16c() ? pv_f16_avx2 : nullptr};
+    return {qk_generic, gemm_generic, scale_max_generic, exp_sum_generic, nullptr, nullptr};
 }
 
 // One cache row (D values at src) -> float32 dst[D].
@@ -1028,6 +1145,9 @@ void attention_flash(const float* qp, const uint8_t* kp, const uint8_t* vp, floa
 
     const FlashLoops loops = flash_loops();
     const bool direct = kind == KvKind::F32;  // float32 key and value rows are read in place
+    // f16 rows too, by the f16 tiles, where a query tile has at most 12 rows (each row converted
+    // at most twice: cheaper than a float32 copy of the tile read back)
+    const bool direct16 = kind == KvKind::F16 && loops.scores_f16 && D % 16 == 0 && Rmax <= 12;
     const float ninf = -std::numeric_limits<float>::infinity();
     auto task = [&](int64_t i) {
         // per thread: queries, keys, values (as float32), scores/probabilities, m, l, acc
@@ -1060,16 +1180,23 @@ void attention_flash(const float* qp, const uint8_t* kp, const uint8_t* vp, floa
                 while (tlo < tq && vis(tlo) == 0) ++tlo;
                 while (thi > tlo && vis(thi - 1) == 0) --thi;
                 if (tlo == thi) continue;  // no row of the tile sees these keys
-                const float* kt = reinterpret_cast<const float*>(kbase + j0 * key_stride);
-                int64_t ldk = Hk * D;
-                if (!direct) {
-                    for (int64_t j = 0; j < nk; ++j) kv_load_row(kind, kbase + (j0 + j) * key_stride, D, kb.data() + j * D);
-                    kt = kb.data();
-                    ldk = D;
-                }
                 const int64_t rlo = tlo * G, rhi = thi * G;
                 float* s = sb.data();
-                loops.scores(qb.data() + rlo * D, rhi - rlo, D, kt, ldk, nk, s + rlo * Bk, Bk);
+                if (direct16) {
+                    loops.scores_f16(qb.data() + rlo * D, rhi - rlo, D,
+                                     reinterpret_cast<const uint16_t*>(kbase + j0 * key_stride), Hk * D, nk,
+                                     s + rlo * Bk, Bk);
+                } else {
+                    const float* kt = reinterpret_cast<const float*>(kbase + j0 * key_stride);
+                    int64_t ldk = Hk * D;
+                    if (!direct) {
+                        for (int64_t j = 0; j < nk; ++j)
+                            kv_load_row(kind, kbase + (j0 + j) * key_stride, D, kb.data() + j * D);
+                        kt = kb.data();
+                        ldk = D;
+                    }
+                    loops.scores(qb.data() + rlo * D, rhi - rlo, D, kt, ldk, nk, s + rlo * Bk, Bk);
+                }
                 for (int64_t t = tlo; t < thi; ++t) {
                     const int64_t nv = vis(t);
                     for (int64_t r = t * G; r < (t + 1) * G; ++r) {
@@ -1090,6 +1217,11 @@ void attention_flash(const float* qp, const uint8_t* kp, const uint8_t* vp, floa
                         }
                         m[r] = mn;
                     }
+                }
+                if (direct16) {
+                    loops.pv_f16(s + rlo * Bk, Bk, reinterpret_cast<const uint16_t*>(vbase + j0 * key_stride), Hk * D,
+                                 acc.data() + rlo * D, D, rhi - rlo, D, nk);
+                    continue;
                 }
                 const float* vt = reinterpret_cast<const float*>(vbase + j0 * key_stride);
                 int64_t ldv = Hk * D;
