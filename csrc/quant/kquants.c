@@ -992,6 +992,75 @@ static const uint16_t IQ3S_KGRID[512] = {
     3736, 3753, 3778, 3802, 3805, 3819, 3841, 3845, 3851, 3856, 3880, 3922, 3938, 3970, 3993, 4032,
 };
 
+/* Neighbour lists of the codes off a codebook grid (ggml's iq3xs_init_impl / iq2xs_init_impl):
+ * grid[ng][dim] holds the points' values 2v + 1 of value indices v; a code u (dim indices of
+ * bits each) is on the grid when map[u] >= 0; for every other u < nmap, map[u] = -1 - offset into
+ * *nbp, where a count is followed by the grid points at the nwant (<= 3) smallest distinct squared
+ * distances, ordered by (distance, index) as ggml's qsort of (d2, index) pairs orders them.
+ * Returns 0, or -4 when out of memory. */
+static int grid_neighbours(const int8_t *grid, int dim, int ng, int bits, int nmap, int nwant, int *map,
+                           uint16_t **nbp) {
+    size_t cap = (size_t)nmap * 8, used = 0;
+    uint16_t *nb = (uint16_t *)malloc(cap * sizeof(uint16_t));
+    const int vmask = (1 << bits) - 1;
+    for (int u = 0; u < nmap && nb; ++u) {
+        if (map[u] >= 0) continue;
+        int d2[2048], lev[3] = {1 << 30, 1 << 30, 1 << 30};  /* the nwant smallest distinct distances */
+        for (int j = 0; j < ng; ++j) {
+            int d = 0;
+            for (int i = 0; i < dim; ++i) {
+                int e = grid[j * dim + i] - (2 * ((u >> (bits * i)) & vmask) + 1);
+                d += e * e;
+            }
+            d2[j] = d;
+            for (int l = 0; l < nwant; ++l) {
+                if (d == lev[l]) break;
+                if (d < lev[l]) {
+                    for (int m = nwant - 1; m > l; --m) lev[m] = lev[m - 1];
+                    lev[l] = d;
+                    break;
+                }
+            }
+        }
+        if (used + (size_t)ng + 1 > cap) {
+            cap *= 2;
+            uint16_t *tmp = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
+            if (!tmp) { free(nb); nb = NULL; break; }
+            nb = tmp;
+        }
+        map[u] = -1 - (int)used;
+        size_t start = used++;
+        for (int l = 0; l < nwant; ++l)
+            for (int j = 0; j < ng; ++j) if (d2[j] == lev[l]) nb[used++] = (uint16_t)j;
+        nb[start] = (uint16_t)(used - start - 1);
+    }
+    *nbp = nb;
+    return nb ? 0 : -4;
+}
+
+/* ggml's iq*_find_best_neighbour: of the neighbours nb (a count, then grid indices), the one with
+ * the least weighted squared error of scale * lv[v] against xval over its dim values (value index
+ * v = (grid value - 1) / 2); its indices to L. lv: the grids' own values 2v + 1, or IQ1's levels. */
+static int grid_best_neighbour(const int8_t *grid, int dim, const uint16_t *nb, const float *xval, const float *w,
+                               float scale, const float *lv, int8_t *L) {
+    int n = nb[0], gi = -1;
+    float best = FLT_MAX;
+    for (int j = 1; j <= n; ++j) {
+        const int8_t *pg = grid + nb[j] * dim;
+        float d2 = 0;
+        for (int i = 0; i < dim; ++i) {
+            float q = lv[(pg[i] - 1) / 2];
+            float diff = scale * q - xval[i];
+            d2 += w[i] * diff * diff;
+        }
+        if (d2 < best) { best = d2; gi = nb[j]; }
+    }
+    if (gi < 0) gi = nb[1];  /* all errors inf/NaN (ggml aborts there) */
+    for (int i = 0; i < dim; ++i) L[i] = (int8_t)((grid[gi * dim + i] - 1) / 2);
+    return gi;
+}
+static const float GRID_LEVELS[8] = {1, 3, 5, 7, 9, 11, 13, 15};
+
 /* a grid's tables (ggml's iq3xs_init_impl): the points' values 2l + 1; code (4 levels, 12 bits)
  * -> grid index, or -1 - offset into nb; per code off the grid, nb holds a count and the
  * neighbours' indices */
@@ -1018,39 +1087,8 @@ static int iq3_init(int which) {
             for (int i = 0; i < 4; ++i) t->grid[k][i] = (int8_t)(2 * ((kg[k] >> (3 * i)) & 7) + 1);
         for (int u = 0; u < 4096; ++u) t->map[u] = -1;
         for (int k = 0; k < ng; ++k) t->map[kg[k]] = k;
-        size_t cap = 4096 * 32, used = 0;
-        uint16_t *nb = (uint16_t *)malloc(cap * sizeof(uint16_t));
-        for (int u = 0; u < 4096 && nb; ++u) {
-            if (t->map[u] >= 0) continue;
-            int d2[512], want[3], nd = 0;
-            for (int j = 0; j < ng; ++j) {
-                int d = 0;
-                for (int i = 0; i < 4; ++i) {
-                    int e = t->grid[j][i] - (2 * ((u >> (3 * i)) & 7) + 1);
-                    d += e * e;
-                }
-                d2[j] = d;
-            }
-            while (nd < nwant) {  /* the nwant smallest distinct distances, ascending */
-                int m = 1 << 30;
-                for (int j = 0; j < ng; ++j)
-                    if (d2[j] < m && (nd == 0 || d2[j] > want[nd - 1])) m = d2[j];
-                if (m == 1 << 30) break;
-                want[nd++] = m;
-            }
-            if (used + (size_t)ng + 1 > cap) {
-                cap *= 2;
-                uint16_t *tmp = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
-                if (!tmp) { free(nb); nb = NULL; break; }
-                nb = tmp;
-            }
-            t->map[u] = -1 - (int)used;
-            size_t start = used++;
-            for (int q = 0; q < nd; ++q)
-                for (int j = 0; j < ng; ++j) if (d2[j] == want[q]) nb[used++] = (uint16_t)j;
-            nb[start] = (uint16_t)(used - start - 1);
-        }
-        if (nb) { t->nb = nb; t->ready = 1; } else rc = -4;
+        rc = grid_neighbours(&t->grid[0][0], 4, ng, 3, 4096, nwant, t->map, &t->nb);
+        if (rc == 0) t->ready = 1;
     }
     return rc;
 }
@@ -1058,21 +1096,7 @@ static int iq3_init(int which) {
 /* ggml's iq3_find_best_neighbour: the neighbour with the least weighted squared error */
 static int iq3_best_neighbour(const iq3_tables *t, const uint16_t *nb, const float *xval, const float *w,
                               float scale, int8_t *L) {
-    int n = nb[0], gi = -1;
-    float best = FLT_MAX;
-    for (int j = 1; j <= n; ++j) {
-        const int8_t *pg = t->grid[nb[j]];
-        float d2 = 0;
-        for (int i = 0; i < 4; ++i) {
-            float q = pg[i];
-            float diff = scale * q - xval[i];
-            d2 += w[i] * diff * diff;
-        }
-        if (d2 < best) { best = d2; gi = nb[j]; }
-    }
-    if (gi < 0) gi = nb[1];  /* all errors inf/NaN (ggml aborts there) */
-    for (int i = 0; i < 4; ++i) L[i] = (int8_t)((t->grid[gi][i] - 1) / 2);
-    return gi;
+    return grid_best_neighbour(&t->grid[0][0], 4, nb, xval, w, scale, GRID_LEVELS, L);
 }
 
 static inline int iq3_code(const int8_t *L) { return L[0] | (L[1] << 3) | (L[2] << 6) | (L[3] << 9); }
@@ -1571,40 +1595,8 @@ static int iq2_init(int which) {
             for (int i = 0; i < 8; ++i) t->grid[k][i] = (int8_t)(2 * ((kg[k] >> (2 * i)) & 3) + 1);
         for (int u = 0; u < IQ2_MAP; ++u) t->map[u] = -1;
         for (int k = 0; k < ng; ++k) t->map[kg[k]] = k;
-        size_t cap = (size_t)IQ2_MAP * 8, used = 0;
-        uint16_t *nb = (uint16_t *)malloc(cap * sizeof(uint16_t));
-        for (int u = 0; u < IQ2_MAP && nb; ++u) {
-            if (t->map[u] >= 0) continue;
-            int d2[2048], lev[3] = {1 << 30, 1 << 30, 1 << 30};  /* the nwant smallest distinct distances */
-            for (int j = 0; j < ng; ++j) {
-                int d = 0;
-                for (int i = 0; i < 8; ++i) {
-                    int e = t->grid[j][i] - (2 * ((u >> (2 * i)) & 3) + 1);
-                    d += e * e;
-                }
-                d2[j] = d;
-                for (int l = 0; l < nwant; ++l) {
-                    if (d == lev[l]) break;
-                    if (d < lev[l]) {
-                        for (int m = nwant - 1; m > l; --m) lev[m] = lev[m - 1];
-                        lev[l] = d;
-                        break;
-                    }
-                }
-            }
-            if (used + (size_t)ng + 1 > cap) {
-                cap *= 2;
-                uint16_t *tmp = (uint16_t *)realloc(nb, cap * sizeof(uint16_t));
-                if (!tmp) { free(nb); nb = NULL; break; }
-                nb = tmp;
-            }
-            t->map[u] = -1 - (int)used;
-            size_t start = used++;
-            for (int l = 0; l < nwant; ++l)
-                for (int j = 0; j < ng; ++j) if (d2[j] == lev[l]) nb[used++] = (uint16_t)j;
-            nb[start] = (uint16_t)(used - start - 1);
-        }
-        if (nb) { t->nb = nb; t->ready = 1; } else rc = -4;
+        rc = grid_neighbours(&t->grid[0][0], 8, ng, 2, IQ2_MAP, nwant, t->map, &t->nb);
+        if (rc == 0) t->ready = 1;
     }
     return rc;
 }
@@ -1612,21 +1604,7 @@ static int iq2_init(int which) {
 /* ggml's iq2_find_best_neighbour */
 static int iq2_best_neighbour(const iq2_tables *t, const uint16_t *nb, const float *xval, const float *w,
                               float scale, int8_t *L) {
-    int n = nb[0], gi = -1;
-    float best = FLT_MAX;
-    for (int j = 1; j <= n; ++j) {
-        const int8_t *pg = t->grid[nb[j]];
-        float d2 = 0;
-        for (int i = 0; i < 8; ++i) {
-            float q = pg[i];
-            float diff = scale * q - xval[i];
-            d2 += w[i] * diff * diff;
-        }
-        if (d2 < best) { best = d2; gi = nb[j]; }
-    }
-    if (gi < 0) gi = nb[1];  /* all errors inf/NaN (ggml aborts there) */
-    for (int i = 0; i < 8; ++i) L[i] = (int8_t)((t->grid[gi][i] - 1) / 2);
-    return gi;
+    return grid_best_neighbour(&t->grid[0][0], 8, nb, xval, w, scale, GRID_LEVELS, L);
 }
 
 static inline int iq2_code(const int8_t *L) {
@@ -1922,21 +1900,7 @@ static const float IQ1_XM[3] = {-1 - IQ1_DELTA, -IQ1_DELTA, 1 - IQ1_DELTA};
  * scale * xg[level] against xval */
 static int iq1_best_neighbour(const iq2_tables *t, const uint16_t *nb, const float *xval, const float *w,
                               float scale, const float *xg, int8_t *L) {
-    int n = nb[0], gi = -1;
-    float best = FLT_MAX;
-    for (int j = 1; j <= n; ++j) {
-        const int8_t *pg = t->grid[nb[j]];
-        float d2 = 0;
-        for (int i = 0; i < 8; ++i) {
-            float q = xg[(pg[i] - 1) / 2];
-            float diff = scale * q - xval[i];
-            d2 += w[i] * diff * diff;
-        }
-        if (d2 < best) { best = d2; gi = nb[j]; }
-    }
-    if (gi < 0) gi = nb[1];  /* all errors inf/NaN (ggml aborts there) */
-    for (int i = 0; i < 8; ++i) L[i] = (int8_t)((t->grid[gi][i] - 1) / 2);
-    return gi;
+    return grid_best_neighbour(&t->grid[0][0], 8, nb, xval, w, scale, xg, L);
 }
 
 /* idx[0..n) ordered by x ascending, ties in index order (the order glibc's merge-sort qsort
