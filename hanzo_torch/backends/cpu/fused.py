@@ -123,12 +123,18 @@ def use_attention_prefill(path: str) -> Iterator[None]:
         ValueError: ``path`` is not one of :data:`ATTENTION_PREFILL_PATHS`.
         RuntimeError: the C++ extension cannot be built.
     """
-    if path not in ATTENTION_PREFILL_PATHS:
-        raise ValueError(f"use_attention_prefill: path must be one of {ATTENTION_PREFILL_PATHS}, got {path!r}")
+    yield from _switched("use_attention_prefill", ATTENTION_PREFILL_PATHS, path, "set_attention_prefill")
+
+
+def _switched(name: str, paths: tuple, path: str, setter: str) -> Iterator[None]:
+    """Body of the ``use_attention_*`` context managers: set the kernel ``path`` (an index into
+    ``paths``) with the extension's ``setter`` op, yield, restore the previous one."""
+    if path not in paths:
+        raise ValueError(f"{name}: path must be one of {paths}, got {path!r}")
     if _kernel("attention") is None:
-        raise RuntimeError("use_attention_prefill: the C++ CPU kernels are not available")
-    op = torch.ops.hanzo_cpu.set_attention_prefill.default
-    prev = op(ATTENTION_PREFILL_PATHS.index(path))
+        raise RuntimeError(f"{name}: the C++ CPU kernels are not available")
+    op = getattr(torch.ops.hanzo_cpu, setter).default
+    prev = op(paths.index(path))
     try:
         yield
     finally:
@@ -137,8 +143,8 @@ def use_attention_prefill(path: str) -> Iterator[None]:
 
 ATTENTION_DECODE_PATHS = ("flash", "rows")
 """Kernels of CPU attention calls with one query token: ``flash`` (the default: the prefill's
-tiles, key and value tiles of 64 rows converted to float32 once and register-tiled over the G
-query heads of a group) and ``rows`` (split-K over one key or value row at a time)."""
+tiles of 64 keys, register-tiled over the G query heads of a group, an f16 cache read in place)
+and ``rows`` (split-K over one key or value row at a time)."""
 
 
 @contextlib.contextmanager
@@ -152,16 +158,7 @@ def use_attention_decode(path: str) -> Iterator[None]:
         ValueError: ``path`` is not one of :data:`ATTENTION_DECODE_PATHS`.
         RuntimeError: the C++ extension cannot be built.
     """
-    if path not in ATTENTION_DECODE_PATHS:
-        raise ValueError(f"use_attention_decode: path must be one of {ATTENTION_DECODE_PATHS}, got {path!r}")
-    if _kernel("attention") is None:
-        raise RuntimeError("use_attention_decode: the C++ CPU kernels are not available")
-    op = torch.ops.hanzo_cpu.set_attention_decode.default
-    prev = op(ATTENTION_DECODE_PATHS.index(path))
-    try:
-        yield
-    finally:
-        op(prev)
+    yield from _switched("use_attention_decode", ATTENTION_DECODE_PATHS, path, "set_attention_decode")
 
 
 def moe_route(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
