@@ -320,10 +320,11 @@ def test_interleaved_gemm_against_rows(ext, qtype, N, M, K):
         il = hcpu.mul_mat(x, w, qtype, isa="avx2")
         small = hcpu.mul_mat(x[:15], w, qtype, isa="avx2")  # below 16 rows: the row tiles
         level, wide = _avx512_level(), hcpu.gemm512()
-        if level is not None:  # the AVX-512 level's 256-bit GEMM (vpdpwssd): AVX2's bits
+        if level is not None:  # the AVX-512 level runs the same panels (vpdpwssd): AVX2's bits, 512-bit tiles or not
             try:
-                hcpu.set_gemm512(False)
-                assert torch.equal(hcpu.mul_mat(x, w, qtype, isa=level), il), level
+                for on in (False, True):
+                    hcpu.set_gemm512(on)
+                    assert torch.equal(hcpu.mul_mat(x, w, qtype, isa=level), il), (level, on)
             finally:
                 hcpu.set_gemm512(wide)
     finally:

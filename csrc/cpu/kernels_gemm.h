@@ -538,13 +538,8 @@ static void gemm_il_q6k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
 template <class T>
 static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
                       float* y, int64_t ldy) {
-#if HZ_ISA >= 2
-    if (hz_gemm512) {
-        if constexpr (T::QK == 32) gemm512_32<T>(W, rb, n0, n1, a, M, y, ldy);
-        else gemm512_k<T>(W, rb, n0, n1, a, M, y, ldy);
-        return;
-    }
-#endif
+    // Q4_K and Q6_K run on the interleaved panels on every SIMD level: on AVX-512 (Zen 4) the
+    // 256-bit panel kernels measure 1.6x the 512-bit row tiles (benchmarks/RESULTS.md)
     if constexpr (T::ID == FQ4_K::ID) {
         if (hz_cpu_repack && M >= HZ_IL_MIN_M) {
             gemm_il_q4k(W, rb, n0, n1, a, M, y, ldy);
@@ -557,6 +552,13 @@ static void gemm_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, cons
             return;
         }
     }
+#if HZ_ISA >= 2
+    if (hz_gemm512) {
+        if constexpr (T::QK == 32) gemm512_32<T>(W, rb, n0, n1, a, M, y, ldy);
+        else gemm512_k<T>(W, rb, n0, n1, a, M, y, ldy);
+        return;
+    }
+#endif
     // the min terms of blocks other than 32 values read 16 sums per block (xs + b * 16)
     static_assert(T::QK == 32 || T::QK == 256 || !Hooks<T>::HAS_MIN, "a min term needs 32- or 256-value blocks");
     if constexpr (T::QK != 32 && Hooks<T>::HAS_MIN && GemmMinRatio<T>::value == 0)

@@ -34,9 +34,10 @@ On ``avx512`` (and ``avx512-sim``) the prefill GEMM runs 512-bit register tiles 
 kernels load) or :func:`set_gemm512` gives that level's 256-bit tiles instead, for A/B runs.
 Its decode mat-vec (M = 1) of Q4_K and Q6_K runs 512-bit rows, two 32-value chunks per step, with
 the same bits as the 256-bit rows; ``HANZO_CPU_MATVEC512=0`` or :func:`set_matvec512` gives those.
-The 256-bit GEMM of Q4_K and Q6_K repacks each weight panel into rows interleaved 8 at a time
-(one activation broadcast feeds 8 rows); ``HANZO_CPU_REPACK=0`` or :func:`set_repack` gives the
-row-by-row tiles.
+The GEMM of Q4_K and Q6_K (at least 16 activation rows) repacks each weight panel into rows
+interleaved 8 at a time (one activation broadcast feeds 8 rows) on every SIMD level, ``avx512``
+included (256-bit vectors: 1.6x the 512-bit row tiles on Zen 4); ``HANZO_CPU_REPACK=0`` or
+:func:`set_repack` gives the row-by-row tiles (the 512-bit ones on ``avx512``).
 
 Threads: torch's intra-op pool (``torch.set_num_threads``). Each parallel region of the kernels
 hands out tasks from a shared counter; an adaptive thread count runs the regions on the calling
@@ -533,9 +534,10 @@ def gemm512() -> bool:
 
 
 def set_repack(enabled: bool) -> None:
-    """Run the 256-bit prefill GEMM of Q4_K and Q6_K (``avx2``, and ``avx512`` with :func:`set_gemm512`
-    off) on weight panels repacked per call into rows interleaved 8 at a time (True, the default;
-    at least 16 activation rows) or on the row-by-row tiles (False), for A/B runs. The packed
+    """Run the prefill GEMM of Q4_K and Q6_K on every SIMD level on weight panels repacked per call
+    into rows interleaved 8 at a time, in 256-bit vectors (True, the default; at least 16
+    activation rows) or on the level's row-by-row tiles (False: 512-bit ones on ``avx512`` with
+    :func:`set_gemm512` on), for A/B runs. The packed
     weights are not changed (the repack is a per-thread panel buffer, no copy of the model).
     Results differ only in float32 summation order. ``HANZO_CPU_REPACK=0`` (read when the kernels
     load) sets False.
@@ -547,7 +549,7 @@ def set_repack(enabled: bool) -> None:
 
 
 def repack() -> bool:
-    """Whether the 256-bit Q4_K / Q6_K GEMM runs on row-interleaved panels (:func:`set_repack`)."""
+    """Whether the Q4_K / Q6_K GEMM runs on row-interleaved panels (:func:`set_repack`)."""
     return bool(_ext_or_raise().repack())
 
 
