@@ -4,6 +4,7 @@
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
         [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args="-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
         [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--decode-attention-ab] [--profile]
+        [--kv-dtype auto|f32|f16|bf16|q8_0]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
 per row per round, ``--reps`` rounds), so load on a shared machine hits them alike; the table gives
@@ -79,6 +80,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Optional
 
 import hanzo_torch  # first: it bounds libgomp's spin before torch loads it, as the CLI does (see its __init__)
 import torch
@@ -126,9 +128,9 @@ def parse_rows(spec: str) -> list[Row]:
 class Hanzo:
     name = "hanzo-torch"
 
-    def __init__(self, path: str, n_ctx: int):
+    def __init__(self, path: str, n_ctx: int, kv_dtype: Optional[str] = None):
         self.version = hanzo_torch.__version__
-        self.model = hanzo_torch.load(path, max_context=n_ctx)
+        self.model = hanzo_torch.load(path, max_context=n_ctx, kv_dtype=kv_dtype)
 
     def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
         """Tokens/s of ``row``: ``ctx`` fed untimed, then ``ids`` (pp) or ``row.n`` decode steps (tg)."""
@@ -426,6 +428,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL, help="GGUF file (both engines)")
     ap.add_argument("--threads", "-t", type=int, default=2, help="threads of every engine")
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "f32", "f16", "bf16", "q8_0"),
+                    help="our KV cache type (auto: the activations' dtype, float32; llama-bench's default is f16)")
     ap.add_argument("--rows", default=None,
                     help="comma-separated rows: pp<N>, tg<N>, pp<N>@d<D>, tg<N>@d<D> "
                          "(default pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096)")
@@ -471,7 +475,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     hcpu.build()
     n_ctx = max(r.ctx_len + r.n for r in rows) + 16
-    engines = [Hanzo(args.model, n_ctx)]
+    engines = [Hanzo(args.model, n_ctx, None if args.kv_dtype == "auto" else args.kv_dtype)]
     if args.attention_ab:
         engines.append(HanzoGemmAttention(engines[0]))
     if args.decode_attention_ab:
@@ -505,7 +509,7 @@ def main() -> None:
             print(f"{binary} has no -d/--n-depth nor -gp: its depth rows are n/a", file=sys.stderr)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     print(f"cpu: {cpu}; backend: cpu, ISA {hcpu.ISA_NAMES[hcpu.default_isa()]}; threads: {args.threads}; "
-          f"busy: {args.busy} ({args.busy_kind}); model: {os.path.basename(args.model)}")
+          f"busy: {args.busy} ({args.busy_kind}); model: {os.path.basename(args.model)}; our KV cache: {args.kv_dtype}")
     print(f"env: HANZO_MUL_MAT_FALLBACK={os.environ.get('HANZO_MUL_MAT_FALLBACK', '0')} "
           f"HANZO_ATTENTION_FALLBACK={os.environ.get('HANZO_ATTENTION_FALLBACK', '0')} "
           f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}",
