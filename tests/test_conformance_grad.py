@@ -36,6 +36,9 @@ def _cases():
         "mul_mat": (lambda x: ops.mul_mat(x, w8, "Q8_0"), (_r(2, 32),)),
         "mul_mat_id": (lambda x: ops.mul_mat_id(x, w3, ids, "Q8_0"), (_r(2, 32, seed=1),)),
         "swiglu_mul_mat": (lambda x: ops.swiglu_mul_mat(x, w8, w8b, "Q8_0", "Q8_0"), (_r(2, 32, seed=2, scale=0.1),)),
+        "mul_mat_group": (lambda x: tuple(ops.mul_mat_group(x, [w8, w8b[:3]], ["Q8_0", "Q8_0"],
+                                                            [None, torch.ones(3, **f64)])),
+                          (_r(2, 32, seed=23),)),
         "lora_mul_mat": (lambda x, a, b: ops.lora_mul_mat(x, w8, "Q8_0", a, b, 0.5),
                          (_r(2, 32, seed=3), _r(2, 32, seed=4), _r(6, 2, seed=5))),
         "moe_route": (lambda lg: ops.moe_route(lg, 2, True)[0], (_r(3, 5, seed=6),)),
@@ -93,6 +96,17 @@ def test_the_hand_written_backward_matches_the_reference_derived_one():
     xr = x.detach().requires_grad_(True)
     (want,) = torch.autograd.grad(hanzo_torch.ops.quant.mul_mat_reference(xr, w, "Q6_K"), xr, g)
     torch.testing.assert_close(gx, want, rtol=1e-12, atol=1e-12)
+
+
+def test_mul_mat_group_refuses_a_bias_that_trains():
+    """Its biases are constants: a bias that requires grad is refused, not given a zero gradient."""
+    w = random_packed("Q8_0", (6, 32), seed=7)
+    b = torch.zeros(6, requires_grad=True)
+    with pytest.raises(ValueError, match="bias 0 requires grad"):
+        ops.mul_mat_group(torch.randn(2, 32, requires_grad=True), [w], ["Q8_0"], [b])
+    with torch.no_grad():  # no graph: the bias is a value like any other
+        (y,) = ops.mul_mat_group(torch.randn(2, 32), [w], ["Q8_0"], [b])
+    assert y.shape == (2, 6)
 
 
 def test_kv_cache_write_says_it_has_no_backward():

@@ -21,6 +21,7 @@ enum Op : int {
     QK_NORM_ROPE_KV_WRITE,
     ATTENTION,
     SWIGLU_MUL_MAT,
+    MUL_MAT_GROUP,
     LORA_MUL_MAT,
     N_OPS
 };
@@ -41,6 +42,7 @@ inline constexpr const char* kOpNames[N_OPS] = {
     "qk_norm_rope_kv_write",
     "attention",
     "swiglu_mul_mat",
+    "mul_mat_group",
     "lora_mul_mat",
 };
 

@@ -265,6 +265,96 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
     return y;
 }
 
+// Several weights over one activation (the q, k and v projections of a layer): x [M, K] float,
+// ws[i] uint8 [N_i, rb_i] in format tids[i], optional float32 biases bs[i] [N_i] ->
+// [M, N_i] float32 each, y_i = x W_i^T (+ b_i). x is quantized once per block size. A mat-vec
+// (M <= mv_max) runs every weight's row ranges as the tasks of one parallel region, tasks of about
+// the same bytes over all weights (RowSplit's sizes applied to the sum), so the small projections
+// share one fork-join instead of one each. Each row is computed by the same kernel as mul_mat's,
+// so the results are mul_mat's bits (the bias added in float32 after, as y + b).
+std::vector<torch::Tensor> mul_mat_group(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> tids,
+                                         std::vector<std::optional<torch::Tensor>> bs, int64_t isa_level,
+                                         int64_t mv_max) {
+    const int64_t G = (int64_t)ws.size();
+    TORCH_CHECK(G >= 1 && (int64_t)tids.size() == G && (int64_t)bs.size() == G,
+                "mul_mat_group: need as many formats and biases as weights");
+    TORCH_CHECK(x.dim() == 2, "mul_mat_group: x must be 2-D here");
+    const HzIsa* isa = isa_table(isa_level);
+    std::vector<const HzFormatKernels*> fk(G);
+    int64_t K = -1;
+    for (int64_t i = 0; i < G; ++i) {
+        fk[i] = &format_kernels(isa, tids[i]);
+        check_grid(tids[i]);
+        TORCH_CHECK(ws[i].device().is_cpu() && ws[i].scalar_type() == torch::kUInt8 && ws[i].dim() == 2,
+                    "mul_mat_group: weight ", i, " must be a 2-D uint8 CPU tensor");
+        ws[i] = ws[i].contiguous();
+        const int64_t k = infer_k(*fk[i], ws[i].size(1), "mul_mat_group");
+        TORCH_CHECK(K < 0 || k == K, "mul_mat_group: weight ", i, " has rows of K=", k, ", weight 0 of K=", K);
+        K = k;
+        if (bs[i].has_value()) {
+            TORCH_CHECK(bs[i]->scalar_type() == torch::kFloat32 && bs[i]->dim() == 1 && bs[i]->size(0) == ws[i].size(0),
+                        "mul_mat_group: bias ", i, " must be float32 [", ws[i].size(0), "]");
+            bs[i] = bs[i]->contiguous();
+        }
+    }
+    torch::Tensor xf = check_x(x, K, "mul_mat_group");
+    const int64_t M = xf.size(0);
+    std::vector<torch::Tensor> ys(G);
+    for (int64_t i = 0; i < G; ++i) ys[i] = torch::empty({M, ws[i].size(0)}, torch::kFloat32);
+    if (M == 0) return ys;
+    if (K == 0) {
+        for (int64_t i = 0; i < G; ++i) bs[i].has_value() ? ys[i].copy_(bs[i]->expand({M, ws[i].size(0)})) : ys[i].zero_();
+        return ys;
+    }
+    std::vector<QuantAct> qa;  // one per block size, in order of first use
+    std::vector<int64_t> qa_of(G);
+    for (int64_t i = 0; i < G; ++i) {
+        int64_t j = 0;
+        while (j < (int64_t)qa.size() && qa[j].view.qa != fk[i]->qk) ++j;
+        if (j == (int64_t)qa.size()) qa.push_back(quantize_act(isa, xf, fk[i]->qk));
+        qa_of[i] = j;
+    }
+    auto add_bias = [&](int64_t i, int64_t n0, int64_t n1) {
+        if (!bs[i].has_value()) return;
+        const float* b = bs[i]->data_ptr<float>();
+        float* y = ys[i].data_ptr<float>();
+        const int64_t N = ws[i].size(0);
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = n0; n < n1; ++n) y[m * N + n] += b[n];
+    };
+    if (M > mv_max) {
+        for (int64_t i = 0; i < G; ++i) {
+            run_matmul(*fk[i], ws[i].data_ptr<uint8_t>(), ws[i].size(1), ws[i].size(0), qa[qa_of[i]].view, M,
+                       ys[i].data_ptr<float>(), ws[i].size(0), mv_max);
+            add_bias(i, 0, ws[i].size(0));
+        }
+        return ys;
+    }
+    // tasks: (weight, first row, end row), about chunk bytes each
+    int64_t total = 0;
+    for (int64_t i = 0; i < G; ++i) total += ws[i].size(0) * ws[i].size(1);
+    const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(hz_mv_chunk_bytes, total / (hz_mv_min_chunks * nth)));
+    struct Task { int64_t w, n0, n1; };
+    std::vector<Task> tasks;
+    for (int64_t i = 0; i < G; ++i) {
+        const int64_t N = ws[i].size(0), rows = std::max<int64_t>(1, chunk / std::max<int64_t>(1, ws[i].size(1)));
+        for (int64_t n0 = 0; n0 < N; n0 += rows) tasks.push_back({i, n0, std::min(N, n0 + rows)});
+    }
+    auto task = [&](int64_t t) {
+        const Task& k = tasks[t];
+        fk[k.w]->matvec(ws[k.w].data_ptr<uint8_t>(), ws[k.w].size(1), k.n0, k.n1, &qa[qa_of[k.w]].view, M,
+                        ys[k.w].data_ptr<float>(), ws[k.w].size(0));
+        add_bias(k.w, k.n0, k.n1);
+    };
+    if (nth == 1 || total < 65536) {
+        for (int64_t t = 0; t < (int64_t)tasks.size(); ++t) task(t);
+    } else {
+        run_tasks((int64_t)tasks.size(), std::min<int64_t>(nth, (int64_t)tasks.size()), task);
+    }
+    return ys;
+}
+
 // x [T, kx, K] (kx == 1 broadcasts over the k slots), w uint8 [E, N, rb], ids int64 [T, k] -> [T, k, N]
 torch::Tensor mul_mat_id(torch::Tensor x, torch::Tensor w, torch::Tensor ids, int64_t type_id, int64_t isa_level,
                          int64_t mv_max) {
@@ -534,6 +624,37 @@ at::Tensor swiglu_mul_mat_cpu(const at::Tensor& x, const at::Tensor& wg, const a
     at::Tensor y = swiglu_mul_mat(as_2d(x), wg, wu, tg, tu, g_isa.load(std::memory_order_relaxed),
                                   g_mv_max.load(std::memory_order_relaxed), d == at::kBFloat16 ? 1 : d == at::kHalf ? 2 : 0);
     return to_act(y, x, wg.size(0));
+}
+
+// The C++ path takes float32/bfloat16/float16 x without biases, and float32 x with float32 biases;
+// the other bias cases (where torch's promotion of y + b decides the result dtype) go to the reference.
+std::vector<at::Tensor> mul_mat_group_cpu(const at::Tensor& x, at::TensorList w, c10::ArrayRef<std::string> qtype,
+                                          const c10::List<std::optional<at::Tensor>>& bias) {
+    const int64_t G = (int64_t)w.size();
+    bool ok = !use_ref(MUL_MAT_GROUP) && is_act(x) && x.dim() >= 1 && G >= 1 && (int64_t)qtype.size() == G &&
+              (int64_t)bias.size() == G;
+    std::vector<int64_t> tids(G);
+    std::vector<std::optional<torch::Tensor>> bs(G);
+    for (int64_t i = 0; ok && i < G; ++i) {
+        ok = packed_ok(w[i], 2, qtype[i], x.size(-1), &tids[i]);
+        const std::optional<at::Tensor> b = bias.get(i);
+        if (ok && b.has_value()) {
+            ok = x.scalar_type() == at::kFloat && b->device().is_cpu() && b->scalar_type() == at::kFloat &&
+                 b->dim() == 1 && b->size(0) == w[i].size(0);
+            bs[i] = *b;
+        }
+    }
+    if (!ok) {
+        static auto ref = ref_op<std::vector<at::Tensor>(const at::Tensor&, at::TensorList, c10::ArrayRef<std::string>,
+                                                         const c10::List<std::optional<at::Tensor>>&)>(
+            "hanzo_ref::mul_mat_group");
+        return ref.call(x, w, qtype, bias);
+    }
+    std::vector<torch::Tensor> ws(w.begin(), w.end());
+    std::vector<at::Tensor> ys = mul_mat_group(as_2d(x), ws, tids, bs, g_isa.load(std::memory_order_relaxed),
+                                               g_mv_max.load(std::memory_order_relaxed));
+    for (int64_t i = 0; i < G; ++i) ys[i] = to_act(ys[i], x, w[i].size(0));
+    return ys;
 }
 
 at::Tensor get_rows_cpu(const at::Tensor& w, const at::Tensor& ids, c10::string_view qtype, at::ScalarType dtype) {
@@ -815,6 +936,7 @@ std::vector<std::string> native_ops() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "hanzo-torch CPU kernels (int8 dot products over ggml block formats)";
     m.def("mul_mat", &mul_mat, "x [M,K] @ W[N,K]^T -> [M,N] f32");
+    m.def("mul_mat_group", &mul_mat_group, "x @ W_i^T (+ b_i) for several weights, one region -> [M,N_i] f32 each");
     m.def("swiglu_mul_mat", &swiglu_mul_mat, "silu(x Wg^T) * (x Wu^T) -> [M,F] f32");
     m.def("mul_mat_id", &mul_mat_id, "indexed (MoE) mul_mat -> [T,k,N] f32");
     m.def("get_rows", &get_rows, "rows of a packed weight -> [n,K] f32");
@@ -859,6 +981,7 @@ TORCH_LIBRARY_IMPL(hanzo, CPU, m) {
     m.impl("mul_mat", TORCH_FN(dispatch::mul_mat_cpu));
     m.impl("mul_mat_id", TORCH_FN(dispatch::mul_mat_id_cpu));
     m.impl("swiglu_mul_mat", TORCH_FN(dispatch::swiglu_mul_mat_cpu));
+    m.impl("mul_mat_group", TORCH_FN(dispatch::mul_mat_group_cpu));
     m.impl("get_rows", TORCH_FN(dispatch::get_rows_cpu));
     m.impl("dequantize", TORCH_FN(dispatch::dequantize_cpu));
     m.impl("rms_norm", TORCH_FN(dispatch::rms_norm_cpu));

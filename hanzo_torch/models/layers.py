@@ -4,7 +4,8 @@
 dense twin            packed twin                 forward
 ====================  ==========================  ==========================================
 :class:`Linear`       :class:`PackedLinear`       ``x @ weight^T (+ bias)``; ``swiglu(up, x)``
-                                                  is ``silu(x @ gate^T) * (x @ up^T)``
+                                                  is ``silu(x @ gate^T) * (x @ up^T)``;
+                                                  :func:`linear_group` runs several on one x
 :class:`Embedding`    :class:`PackedEmbedding`    ``weight[ids]``
 :class:`Experts`      :class:`PackedExperts`      ``x @ weight[ids]^T``, per chosen expert
 :class:`RMSNorm`      (always dense)              ``hanzo::rms_norm`` / ``add_rms_norm``
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["Linear", "PackedLinear", "Embedding", "PackedEmbedding", "Experts", "PackedExperts", "RMSNorm",
-           "packed_twin"]
+           "linear_group", "packed_twin"]
 
 hanzo = torch.ops.hanzo
 
@@ -103,6 +104,29 @@ class PackedLinear(Linear):
             return hanzo.swiglu(self(x), up(x))
         g, u = self._parameters["weight"], up._parameters["weight"]
         return hanzo.swiglu_mul_mat(x, g.packed, u.packed, g.qtype, u.qtype)
+
+
+def linear_group(x: Tensor, *linears: nn.Module) -> tuple[Tensor, ...]:
+    """``(linear(x) for linear in linears)``: several projections of one activation (the attention's
+    q, k and v), as one ``hanzo::mul_mat_group`` when every layer is a plain :class:`PackedLinear`
+    without hooks or a bias that trains: the activation is quantized once and the weights' rows
+    share one parallel region, with the same results as the layers called one by one. Any other
+    layer (a dense twin, a PEFT LoRA layer, a tensor-parallel shard, a layer with hooks such as
+    :class:`~hanzo_torch.imatrix.IMatrixCollector`'s) makes every layer run as a module call.
+
+    ``x``: ``[..., in_features]``; returns one ``[..., out_features_i]`` tensor per layer.
+    """
+    ws, qtypes, biases = [], [], []
+    for m in linears:
+        if type(m) is not PackedLinear or m._forward_hooks or m._forward_pre_hooks:
+            return tuple(m(x) for m in linears)
+        w, b = m._parameters["weight"], m._parameters["bias"]
+        if b is not None and b.requires_grad:
+            return tuple(m(x) for m in linears)
+        ws.append(w.packed)
+        qtypes.append(w.qtype)
+        biases.append(b)
+    return tuple(hanzo.mul_mat_group(x, ws, qtypes, biases))
 
 
 class Embedding(nn.Module):

@@ -40,7 +40,7 @@ from torch import Tensor
 from ..generation import SequenceState
 from ..ops.fused import KV_CACHE_DTYPES, kv_cache_shape
 from .config import ARCHITECTURES, DEFAULT_MAX_CONTEXT, ModelArgs  # noqa: F401 (re-exported)
-from .layers import Embedding, Experts, Linear, RMSNorm
+from .layers import Embedding, Experts, Linear, RMSNorm, linear_group
 from .loss import CausalLMOutput, causal_lm_loss, loss_chunk_tokens
 
 hanzo = torch.ops.hanzo
@@ -95,9 +95,10 @@ class Block(nn.Module):
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         a = self.args
         B, T, _ = x.shape
-        q = self.attn_q(x).view(B, T, a.n_head, a.head_dim)  # [B, T, Hq, D]
-        k = self.attn_k(x).view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hk, D]
-        v = self.attn_v(x).view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hk, D]
+        q, k, v = linear_group(x, self.attn_q, self.attn_k, self.attn_v)
+        q = q.view(B, T, a.n_head, a.head_dim)  # [B, T, Hq, D]
+        k = k.view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hk, D]
+        v = v.view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hk, D]
         return q, k, v
 
     def attention_no_cache(self, x: Tensor, positions: Tensor) -> Tensor:

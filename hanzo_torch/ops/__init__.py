@@ -15,6 +15,7 @@ from . import spec  # noqa: F401  the op table (OpSpec, SPECS, declare)
 from . import quant  # noqa: F401  dequantize, quantize_q8_1, mul_mat, mul_mat_id, get_rows
 from . import fused  # noqa: F401  moe_route, rms_norm, add_rms_norm, qk_norm_rope, swiglu, kv_cache_write, attention
 from . import ffn  # noqa: F401  swiglu_mul_mat
+from . import group  # noqa: F401  mul_mat_group
 from . import lora  # noqa: F401  lora_mul_mat
 from ._dispatch import OPS, reference_enabled, reference_ops, set_reference, use_reference  # noqa: F401
 from .spec import SPECS, check_args  # noqa: F401

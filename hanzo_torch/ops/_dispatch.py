@@ -43,7 +43,7 @@ _REFERENCE: set[str] = set()
 _REFERENCES: dict[str, Callable] = {}  # op -> its checked reference (the body of hanzo_ref::<op>)
 _KEYS: set[str] = set()  # dispatch keys that hold native kernels (added as backends register)
 _redirect: Optional[torch.library.Library] = None  # the reference registered on _KEYS for redirected_ops()
-PARTS: dict[str, tuple] = {"qk_norm_rope_kv_write": ("qk_norm_rope", "kv_cache_write")}
+PARTS: dict[str, tuple] = {"qk_norm_rope_kv_write": ("qk_norm_rope", "kv_cache_write"), "mul_mat_group": ("mul_mat",)}
 """Ops whose kernels fuse other ops: in reference mode while any of their parts is."""
 _REF_LIB = torch.library.Library("hanzo_ref", "DEF")
 _ACTIVATED: dict[str, frozenset] = {}  # device type -> ops with a native kernel on its dispatch key

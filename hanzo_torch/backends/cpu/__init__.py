@@ -69,7 +69,7 @@ from .. import _build
 from ..base import Backend, ComputeDefaults
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
-           "mul_mat", "mul_mat_id", "swiglu_mul_mat", "get_rows", "dequantize", "build",
+           "mul_mat", "mul_mat_id", "swiglu_mul_mat", "mul_mat_group", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
            "set_matvec512", "matvec512", "set_repack", "repack"]
 
@@ -375,6 +375,25 @@ def swiglu_mul_mat(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, qt
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], w_gate.shape[0])
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def mul_mat_group(x: torch.Tensor, ws: list, qtypes: list, biases: list, *, isa=None,
+                  mv_max_rows: Optional[int] = None) -> list:
+    """``[x @ W_i^T (+ b_i)]``: ``x [..., K]`` float32 (or bfloat16/float16 without biases),
+    ``ws[i]`` uint8 ``[N_i, row_bytes_i]`` packed as ``qtypes[i]``, ``biases[i]`` float32 ``[N_i]``
+    or None -> one ``[..., N_i]`` tensor per weight in ``x.dtype``. x is quantized once per block
+    size; a mat-vec runs every weight's rows as the tasks of one parallel region. Bit-identical to
+    ``mul_mat(x, W_i) + b_i`` of these kernels. Raises RuntimeError (C++ checks) on bad shapes."""
+    ext = extension()
+    if ext is None:
+        from ...ops.group import mul_mat_group_reference
+
+        return mul_mat_group_reference(x, ws, qtypes, biases)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    ys = ext.mul_mat_group(x2, list(ws), [_type_id(q) for q in qtypes], list(biases),
+                           default_isa() if isa is None else _isa(isa),
+                           MV_MAX_ROWS if mv_max_rows is None else int(mv_max_rows))
+    return [(y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])).to(x.dtype) for y in ys]
 
 
 def get_rows(w: torch.Tensor, ids: torch.Tensor, qtype: str, dtype: torch.dtype, *, isa=None) -> torch.Tensor:
