@@ -3,7 +3,7 @@
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
         [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args="-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
-        [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--decode-attention-ab] [--profile]
+        [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--group-ab] [--decode-attention-ab] [--profile]
         [--kv-dtype auto|f32|f16|bf16|q8_0]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
@@ -55,6 +55,10 @@ ratio column is 512-bit / 256-bit rows.
 ``--decode-attention-ab`` adds our model once more with one-token attention calls on the
 row-by-row split-K kernel (``use_attention_decode("rows")``) instead of the flash tiles, same
 weights, alternating; its ratio column is tiles / rows (the tg rows at depth show it).
+
+``--group-ab`` adds our model once more with the attention's q, k and v projections as three
+module calls (``hanzo::mul_mat`` each, and the bias adds) instead of one ``hanzo::mul_mat_group``,
+same weights, alternating; its ratio column is grouped / apart.
 
 ``--repack-ab`` adds our model once more with the 256-bit Q4_K / Q6_K GEMM on row-by-row tiles instead of
 row-interleaved panels (``set_repack(False)``, what ``HANZO_CPU_REPACK=0`` gives), same weights,
@@ -231,6 +235,26 @@ class HanzoNoRepack:
             return self.ours.measure(row, ctx, ids)
         finally:
             hcpu.set_repack(on)
+
+
+class HanzoApartQKV:
+    """The same loaded model with q, k and v as three module calls instead of one
+    ``hanzo::mul_mat_group`` (``--group-ab``)."""
+
+    name = "hanzo-torch (q/k/v apart)"
+
+    def __init__(self, ours: Hanzo):
+        from hanzo_torch.models import qwen
+
+        self.ours, self.qwen, self.version = ours, qwen, ours.version
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        grouped = self.qwen.linear_group
+        self.qwen.linear_group = lambda x, *linears: tuple(m(x) for m in linears)
+        try:
+            return self.ours.measure(row, ctx, ids)
+        finally:
+            self.qwen.linear_group = grouped
 
 
 class LlamaCpp:
@@ -429,7 +453,7 @@ def main() -> None:
     ap.add_argument("--model", "-m", default=DEFAULT_MODEL, help="GGUF file (both engines)")
     ap.add_argument("--threads", "-t", type=int, default=2, help="threads of every engine")
     ap.add_argument("--kv-dtype", default="auto", choices=("auto", "f32", "f16", "bf16", "q8_0"),
-                    help="our KV cache type (auto: the activations' dtype, float32; llama-bench's default is f16)")
+                    help="our KV cache type (auto: the backend's default, f16 on the CPU, as llama-bench's)")
     ap.add_argument("--rows", default=None,
                     help="comma-separated rows: pp<N>, tg<N>, pp<N>@d<D>, tg<N>@d<D> "
                          "(default pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096)")
@@ -456,6 +480,8 @@ def main() -> None:
                     help="also run our model with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows")
     ap.add_argument("--repack-ab", action="store_true",
                     help="also run our model with the Q4_K / Q6_K GEMM on row tiles (HANZO_CPU_REPACK=0)")
+    ap.add_argument("--group-ab", action="store_true",
+                    help="also run our model with q, k and v as three mul_mat calls instead of one mul_mat_group")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.rows is not None and (args.pp is not None or args.tg is not None):
@@ -484,6 +510,8 @@ def main() -> None:
         engines.append(HanzoFixedThreads(engines[0]))
     if args.matvec_ab:
         engines.append(HanzoMatvec256(engines[0]))
+    if args.group_ab:
+        engines.append(HanzoApartQKV(engines[0]))
     if args.repack_ab:
         engines.append(HanzoNoRepack(engines[0]))
     if not args.no_llama_cpp:
@@ -528,7 +556,7 @@ def main() -> None:
                 ctx = torch.randint(100, 20000, (row.ctx_len,), generator=g).tolist()
                 ids = torch.randint(100, 20000, (row.n if row.kind == "pp" else 0,), generator=g).tolist()
                 for e in engines:
-                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoRowsAttention, HanzoFixedThreads, HanzoMatvec256, HanzoNoRepack)) else None
+                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoRowsAttention, HanzoFixedThreads, HanzoMatvec256, HanzoNoRepack, HanzoApartQKV)) else None
                     v = e.measure(row, ctx, ids)
                     if s0 is not None:
                         s1 = hcpu.thread_stats()
