@@ -319,8 +319,10 @@ def test_interleaved_gemm_against_rows(ext, qtype, N, M, K):
         hcpu.set_repack(True)
         il = hcpu.mul_mat(x, w, qtype, isa="avx2")
         small = hcpu.mul_mat(x[:15], w, qtype, isa="avx2")  # below 16 rows: the row tiles
-        level, wide = _avx512_level(), hcpu.gemm512()
-        if level is not None:  # the AVX-512 level runs the same panels (vpdpwssd): AVX2's bits, 512-bit tiles or not
+        wide = hcpu.gemm512()
+        # the AVX-512 levels run the same panels with vpdpbusd (int32 sums, then the scale): AVX2's
+        # bits, 512-bit tiles or not, natively and through SIMDe
+        for level in [n for n in ("avx512", "avx512-sim") if n in hcpu.isa_levels()]:
             try:
                 for on in (False, True):
                     hcpu.set_gemm512(on)
@@ -360,6 +362,9 @@ def test_q6k_interleaved_gemm_extreme_values(ext):
     try:
         hcpu.set_repack(True)
         il = hcpu.mul_mat(x, w, "Q6_K", isa="avx2")
+        # the AVX-512 levels' int32 sums with the negative scales sign-extended: the same bits
+        for level in [n for n in ("avx512", "avx512-sim") if n in hcpu.isa_levels()]:
+            assert torch.equal(hcpu.mul_mat(x, w, "Q6_K", isa=level), il), level
         hcpu.set_repack(False)
         rows = hcpu.mul_mat(x, w, "Q6_K", isa="avx2")
     finally:

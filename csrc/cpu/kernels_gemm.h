@@ -370,9 +370,22 @@ static void gemm_il_q4k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
                         __m256i is[MR];
                         for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
                         for (int j = 0; j < 8; ++j) {
+                            const __m256i* wq = qbuf + (b * 8 + j) * 8;
+#if HZ_ISA >= 2
+                            // VNNI: vpdpbusd sums each lane's 4 products in int32 (the integers of the
+                            // vpmaddubsw chain below, which is exact), then the 6-bit scale in int32
+                            __m256i s32[MR];
+                            for (int m = 0; m < MR; ++m) s32[m] = _mm256_setzero_si256();
+                            for (int g = 0; g < 8; ++g) {
+                                const __m256i w = _mm256_load_si256(wq + g);
+                                for (int m = 0; m < MR; ++m)
+                                    s32[m] = _mm256_dpbusd_epi32(s32[m], w, _mm256_set1_epi32((int)rd_u32((const uint8_t*)(xq[m] + b * 256 + 32 * j + 4 * g))));
+                            }
+                            const __m256i sc = _mm256_and_si256(sbuf[b * 8 + j], _mm256_set1_epi32(0xFFFF));
+                            for (int m = 0; m < MR; ++m) is[m] = _mm256_add_epi32(is[m], _mm256_mullo_epi32(s32[m], sc));
+#else
                             __m256i s16[MR];
                             for (int m = 0; m < MR; ++m) s16[m] = _mm256_setzero_si256();
-                            const __m256i* wq = qbuf + (b * 8 + j) * 8;
                             for (int g = 0; g < 8; ++g) {
                                 const __m256i w = _mm256_load_si256(wq + g);
                                 for (int m = 0; m < MR; ++m) {
@@ -385,6 +398,7 @@ static void gemm_il_q4k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
                             }
                             const __m256i sc = sbuf[b * 8 + j];
                             for (int m = 0; m < MR; ++m) is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(s16[m], sc));
+#endif
                         }
                         for (int m = 0; m < MR; ++m) {
                             __m256i ms = _mm256_madd_epi16(mbuf[b * 4], _mm256_set1_epi32(xp[m][b * 4]));
@@ -497,6 +511,21 @@ static void gemm_il_q6k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
                         for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
                         for (int c = 0; c < 8; ++c) {
                             const __m256i* wq = qbuf + (b * 8 + c) * 8;
+#if HZ_ISA >= 2
+                            // VNNI: per 16-value sub-block, vpdpbusd sums each lane's products in int32
+                            // (|.| <= 16 * 255 * 32), then its int8 scale (the high int16 of the lane,
+                            // sign-extended) in int32: the integers of the vpmaddubsw pairs below
+                            for (int sb = 0; sb < 2; ++sb) {
+                                const __m256i sc = _mm256_srai_epi32(sbuf[b * 16 + 2 * c + sb], 16);
+                                for (int m = 0; m < MR; ++m) {
+                                    const uint8_t* x = xq[m] + b * 256 + 32 * c + 16 * sb;
+                                    __m256i s32 = _mm256_setzero_si256();
+                                    for (int e = 0; e < 4; ++e)
+                                        s32 = _mm256_dpbusd_epi32(s32, _mm256_set1_epi32((int)rd_u32(x + 4 * e)), _mm256_load_si256(wq + 4 * sb + e));
+                                    is[m] = _mm256_add_epi32(is[m], _mm256_mullo_epi32(s32, sc));
+                                }
+                            }
+#else
                             for (int h = 0; h < 4; ++h) {  // 8 values: groups 2h, 2h + 1 of chunk c
                                 const __m256i sc = sbuf[b * 16 + 2 * c + (h >> 1)];
                                 const __m256i w0 = _mm256_load_si256(wq + 2 * h), w1 = _mm256_load_si256(wq + 2 * h + 1);
@@ -504,14 +533,11 @@ static void gemm_il_q6k(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
                                     const uint8_t* x = xq[m] + b * 256 + 32 * c + 8 * h;
                                     const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32((int)rd_u32(x)), w0),
                                                                          _mm256_maddubs_epi16(_mm256_set1_epi32((int)rd_u32(x + 4)), w1));
-#if HZ_ISA >= 2
-                                    is[m] = _mm256_dpwssd_epi32(is[m], s16, sc);
-#else
                                     is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(s16, sc));
-#endif
                                     __asm__("" : "+x"(is[m]));  // chained: as in gemm_il_q4k, GCC otherwise spills a tree of products
                                 }
                             }
+#endif
                         }
                         for (int m = 0; m < MR; ++m) {
                             const __m256 dx = _mm256_broadcast_ss(xd[m] + b);
