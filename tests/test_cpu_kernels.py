@@ -246,8 +246,13 @@ def test_build_failure_warns_once_and_runs_the_reference(ext, monkeypatch):
 
 def _avx512_level():
     """The level that runs the AVX-512 source here: native, else simulated, else None."""
-    names = hcpu.isa_levels()
-    return "avx512" if "avx512" in names else "avx512-sim" if "avx512-sim" in names else None
+    levels = _avx512_levels()
+    return levels[0] if levels else None
+
+
+def _avx512_levels():
+    """Every level here that runs the AVX-512 source: native and simulated (SIMDe)."""
+    return [n for n in ("avx512", "avx512-sim") if n in hcpu.isa_levels()]
 
 
 @pytest.mark.parametrize("qtype,K", [("Q4_0", 2080), ("Q8_0", 96), ("Q4_1", 2080), ("Q5_0", 32), ("IQ4_NL", 2080),
@@ -322,7 +327,7 @@ def test_interleaved_gemm_against_rows(ext, qtype, N, M, K):
         wide = hcpu.gemm512()
         # the AVX-512 levels run the same panels with vpdpbusd (int32 sums, then the scale): AVX2's
         # bits, 512-bit tiles or not, natively and through SIMDe
-        for level in [n for n in ("avx512", "avx512-sim") if n in hcpu.isa_levels()]:
+        for level in _avx512_levels():
             try:
                 for on in (False, True):
                     hcpu.set_gemm512(on)
@@ -363,7 +368,7 @@ def test_q6k_interleaved_gemm_extreme_values(ext):
         hcpu.set_repack(True)
         il = hcpu.mul_mat(x, w, "Q6_K", isa="avx2")
         # the AVX-512 levels' int32 sums with the negative scales sign-extended: the same bits
-        for level in [n for n in ("avx512", "avx512-sim") if n in hcpu.isa_levels()]:
+        for level in _avx512_levels():
             assert torch.equal(hcpu.mul_mat(x, w, "Q6_K", isa=level), il), level
         hcpu.set_repack(False)
         rows = hcpu.mul_mat(x, w, "Q6_K", isa="avx2")

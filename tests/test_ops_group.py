@@ -201,3 +201,9 @@ def test_linear_group_trains_x_but_not_a_trainable_bias():
     _, qb = linear_group(x, a, b)
     qb.sum().backward()
     assert b.bias.grad is not None and torch.equal(b.bias.grad, torch.full((4,), 2.0))
+
+
+def test_cpu_wrapper_refuses_a_bias_beside_bf16_x():
+    ws, bs = _group(("Q4_K",), (8,), seed=11)
+    with pytest.raises(ValueError, match="biases need float32 x"):
+        cpu.mul_mat_group(torch.randn(1, 512).bfloat16(), ws, ["Q4_K"], bs)

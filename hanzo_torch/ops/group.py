@@ -52,7 +52,13 @@ def _check_mul_mat_group(x: torch.Tensor, w: Sequence[torch.Tensor], qtype: Sequ
                              f"got {tuple(bi.shape)}")
         if bi.device != x.device:
             raise ValueError(f"{_OP}: bias {i} is on {bi.device} but x is on {x.device}")
-        if bi.requires_grad and torch.is_grad_enabled():
+    if torch.is_grad_enabled():
+        _refuse_trainable_bias(bias)
+
+
+def _refuse_trainable_bias(bias: Sequence[Optional[torch.Tensor]]) -> None:
+    for i, b in enumerate(bias):
+        if b is not None and b.requires_grad:
             raise ValueError(f"{_OP}: bias {i} requires grad, but the biases are constants of this op (no "
                              "gradient flows to them); add a trainable bias outside it")
 
@@ -96,10 +102,7 @@ def _outputs(x, w, qtype, bias):
 # dequantizes in chunks.
 def _setup_context(ctx, inputs, output):
     x, w, qtype, bias = inputs
-    for i, b in enumerate(bias):
-        if b is not None and b.requires_grad:
-            raise ValueError(f"{_OP}: bias {i} requires grad, but the biases are constants of this op (no "
-                             "gradient flows to them); add a trainable bias outside it")
+    _refuse_trainable_bias(bias)  # the CPU kernel runs no Python check: refused here, once a graph is built
     ctx.save_for_backward(x, *w)
     ctx.qtype = list(qtype)
 

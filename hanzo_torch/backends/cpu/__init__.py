@@ -383,7 +383,12 @@ def mul_mat_group(x: torch.Tensor, ws: list, qtypes: list, biases: list, *, isa=
     ``ws[i]`` uint8 ``[N_i, row_bytes_i]`` packed as ``qtypes[i]``, ``biases[i]`` float32 ``[N_i]``
     or None -> one ``[..., N_i]`` tensor per weight in ``x.dtype``. x is quantized once per block
     size; a mat-vec runs every weight's rows as the tasks of one parallel region. Bit-identical to
-    ``mul_mat(x, W_i) + b_i`` of these kernels. Raises RuntimeError (C++ checks) on bad shapes."""
+    ``mul_mat(x, W_i) + b_i`` of these kernels. Raises ValueError for a bias beside a non-float32 x
+    (``hanzo::mul_mat_group`` gives that case torch's promotion), RuntimeError (C++ checks) on bad
+    shapes."""
+    if x.dtype != torch.float32 and any(b is not None for b in biases):
+        raise ValueError(f"mul_mat_group: biases need float32 x here, got {x.dtype} "
+                         "(torch.ops.hanzo.mul_mat_group takes that case)")
     ext = extension()
     if ext is None:
         from ...ops.group import mul_mat_group_reference
