@@ -3,7 +3,7 @@
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
         [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args="-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
-        [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--group-ab] [--decode-attention-ab] [--profile]
+        [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--group-ab] [--mmap-ab] [--decode-attention-ab] [--profile]
         [--kv-dtype auto|f32|f16|bf16|q8_0]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
@@ -64,6 +64,10 @@ same weights, alternating; its ratio column is grouped / apart.
 row-interleaved panels (``set_repack(False)``, what ``HANZO_CPU_REPACK=0`` gives), same weights,
 alternating; its ratio column is interleaved / row tiles.
 
+``--mmap-ab`` loads our model a second time with ``mmap=True`` (packed weights left as views of the
+mapped file) beside the default one (copied into memory advised for transparent huge pages where
+the kernel offers them), alternating; its ratio column is default / mapped.
+
 ``--busy N`` starts N extra processes beside the engines for the whole run (the busy-machine
 case): ``--busy-kind spin`` (default) a Python busy loop each, ``matmul`` a one-thread float32
 512x512 matmul loop each (also loads caches and memory bandwidth). They are stopped at exit.
@@ -87,6 +91,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import hanzo_torch  # first: it bounds libgomp's spin before torch loads it, as the CLI does (see its __init__)
+from hanzo_torch import host_memory
 import torch
 from hanzo_torch.backends import cpu as hcpu
 
@@ -132,9 +137,10 @@ def parse_rows(spec: str) -> list[Row]:
 class Hanzo:
     name = "hanzo-torch"
 
-    def __init__(self, path: str, n_ctx: int, kv_dtype: Optional[str] = None):
+    def __init__(self, path: str, n_ctx: int, kv_dtype: Optional[str] = None, mmap: Optional[bool] = None):
         self.version = hanzo_torch.__version__
-        self.model = hanzo_torch.load(path, max_context=n_ctx, kv_dtype=kv_dtype)
+        self.model = hanzo_torch.load(path, max_context=n_ctx, kv_dtype=kv_dtype, mmap=mmap)
+        self.mapped = all(self.model.gguf.maps(w.packed) for w in _packed_weights(self.model))
 
     def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
         """Tokens/s of ``row``: ``ctx`` fed untimed, then ``ids`` (pp) or ``row.n`` decode steps (tg)."""
@@ -153,6 +159,22 @@ class Hanzo:
             for _ in range(row.n):
                 tok = m(tok, last_only=True)[:, -1].argmax(-1, keepdim=True)
             return row.n / (time.perf_counter() - t0)
+
+
+def _packed_weights(model) -> list:
+    from hanzo_torch.tensor import GGUFTensor
+
+    return [p for p in model.parameters() if isinstance(p, GGUFTensor)]
+
+
+class HanzoMapped(Hanzo):
+    """A second loaded model whose packed weights stay views of the file mapping (``mmap=True``),
+    beside the default one (copied into huge-page memory where the kernel offers it): ``--mmap-ab``."""
+
+    name = "hanzo-torch (mmap)"
+
+    def __init__(self, path: str, n_ctx: int, kv_dtype: Optional[str] = None):
+        super().__init__(path, n_ctx, kv_dtype, mmap=True)
 
 
 class HanzoGemmAttention:
@@ -482,6 +504,8 @@ def main() -> None:
                     help="also run our model with the Q4_K / Q6_K GEMM on row tiles (HANZO_CPU_REPACK=0)")
     ap.add_argument("--group-ab", action="store_true",
                     help="also run our model with q, k and v as three mul_mat calls instead of one mul_mat_group")
+    ap.add_argument("--mmap-ab", action="store_true",
+                    help="also run a second copy of our model whose weights stay views of the mapped file (mmap=True)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.rows is not None and (args.pp is not None or args.tg is not None):
@@ -514,6 +538,8 @@ def main() -> None:
         engines.append(HanzoApartQKV(engines[0]))
     if args.repack_ab:
         engines.append(HanzoNoRepack(engines[0]))
+    if args.mmap_ab:
+        engines.append(HanzoMapped(args.model, n_ctx, None if args.kv_dtype == "auto" else args.kv_dtype))
     if not args.no_llama_cpp:
         try:
             engines.append(LlamaCpp(args.model, n_ctx, args.threads))
@@ -537,7 +563,8 @@ def main() -> None:
             print(f"{binary} has no -d/--n-depth nor -gp: its depth rows are n/a", file=sys.stderr)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     print(f"cpu: {cpu}; backend: cpu, ISA {hcpu.ISA_NAMES[hcpu.default_isa()]}; threads: {args.threads}; "
-          f"busy: {args.busy} ({args.busy_kind}); model: {os.path.basename(args.model)}; our KV cache: {args.kv_dtype}")
+          f"busy: {args.busy} ({args.busy_kind}); model: {os.path.basename(args.model)}; our KV cache: {args.kv_dtype}; "
+          f"our weights: {'mapped file' if engines[0].mapped else 'copied (huge pages: ' + str(host_memory.thp_mode()) + ')'}")
     print(f"env: HANZO_MUL_MAT_FALLBACK={os.environ.get('HANZO_MUL_MAT_FALLBACK', '0')} "
           f"HANZO_ATTENTION_FALLBACK={os.environ.get('HANZO_ATTENTION_FALLBACK', '0')} "
           f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}",

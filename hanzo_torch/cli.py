@@ -75,6 +75,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=_positive_int, metavar="N", help="KV cache length in tokens")
     p.add_argument("--kv-dtype", default="auto", choices=_KV_DTYPES,
                    help="KV cache type (default: f16 on cpu, the --dtype elsewhere); q8_0: 8.5 bits per value")
+    p.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=None,
+                   help="cpu: keep the weights as views of the mapped GGUF file (--mmap) or copy them into memory "
+                        "advised for transparent huge pages, faster to stream (--no-mmap); default: copy when the "
+                        "kernel offers huge pages and the weights take at most half the available memory")
     p.add_argument("--tp", type=_positive_int, metavar="N",
                    help="tensor parallel over N ranks, under torchrun --nproc-per-node N (N must equal the world "
                         "size; gloo on cpu, nccl on cuda); rank 0 prints; generate and bench only (serve refuses it)")
@@ -316,7 +320,7 @@ def _load(args, max_context: Optional[int] = None):
     t0 = time.perf_counter()
     kv = getattr(args, "kv_dtype", "auto")
     model = load(path, device=device, dtype=dtype, max_context=args.max_context or max_context,
-                 kv_dtype=None if kv == "auto" else kv, tensor_parallel=tp)
+                 kv_dtype=None if kv == "auto" else kv, tensor_parallel=tp, mmap=getattr(args, "mmap", None))
     backends.activate(device.type)  # a first build of the CPU kernels is loading time, not prefill time
     return model, path, time.perf_counter() - t0
 
@@ -866,7 +870,7 @@ def cmd_export(args) -> int:
     reason = export.mlir_available()
     if reason is not None:
         _die(reason)
-    model = load(path, max_context=args.ctx_size)
+    model = load(path, max_context=args.ctx_size, mmap=True)  # read once at export: no copy
     try:
         r = export.export_mlir(model, args.output, prefill_len=args.prefill_len)
         if args.vmfb:

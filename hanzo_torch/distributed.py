@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import mmap
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -403,7 +402,9 @@ def shard_model(model, f, group, plan: ShardPlan, device: torch.device) -> Tenso
         total += data.numel() * data.element_size()
     tp.weight_bytes = total
     tp.file_weight_bytes = sum(t.nbytes for t in f.tensor_info.values())
-    _advise(f, views if device.type == "cpu" else [], copied)
+    if device.type == "cpu":  # read ahead the rank's own views
+        f.advise(views, willneed=True)
+    f.advise(copied, release=True)  # pages of copied-out (K-split) sources
     if device.type != "cpu":
         moved = {}
         for module in model.modules():
@@ -415,38 +416,3 @@ def shard_model(model, f, group, plan: ShardPlan, device: torch.device) -> Tenso
                     module._parameters[name] = moved[id(p)]
     return tp
 
-
-def _advise(f, ahead: list, release: list) -> None:
-    """Read ahead the byte ranges of ``ahead`` (views of the mapping) and release the pages
-    wholly inside the ranges of ``release`` (already copied out) from the file's mapping."""
-    mm = getattr(f, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    page = mmap.PAGESIZE
-    base = None
-    try:
-        import numpy as np
-
-        base = np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
-    except (ValueError, TypeError):
-        return
-
-    def advise(w, option, inward: bool) -> None:
-        start = w.packed.data_ptr() - base
-        end = start + w.packed.numel()
-        if start < 0 or end > f.size:
-            return
-        lo = -(-start // page) * page if inward else start // page * page
-        hi = end // page * page if inward else min(f.size, -(-end // page) * page)
-        if hi > lo:
-            try:
-                mm.madvise(option, lo, hi - lo)
-            except (OSError, ValueError):
-                pass
-
-    if hasattr(mmap, "MADV_WILLNEED"):
-        for w in ahead:
-            advise(w, mmap.MADV_WILLNEED, False)
-    if hasattr(mmap, "MADV_DONTNEED"):
-        for w in release:
-            advise(w, mmap.MADV_DONTNEED, True)

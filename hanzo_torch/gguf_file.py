@@ -650,6 +650,47 @@ class GGUFFile:
             return False
         return True
 
+    def maps(self, t: torch.Tensor) -> bool:
+        """Whether CPU tensor ``t``'s first byte lies inside this file's memory mapping (a
+        zero-copy view such as :meth:`packed` returns, not a copy). False once the file is closed
+        or for an empty mapping."""
+        mm = self._mmap
+        if mm is None or len(mm) == 0 or t.device.type != "cpu":
+            return False
+        base = np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
+        return base <= t.data_ptr() < base + len(mm)
+
+    def advise(self, views, *, willneed: bool = False, release: bool = False) -> None:
+        """Page advice for the byte ranges of ``views`` (tensors or GGUFTensors, views of this
+        mapping; others are skipped): ``willneed`` reads them ahead (``MADV_WILLNEED``, the pages
+        overlapping each range), ``release`` drops the pages wholly inside each range from this
+        process's mapping (``MADV_DONTNEED``: for ranges copied out; the page cache keeps them and a
+        later touch maps them again). Advisory: a no-op where ``madvise`` is missing or the file is
+        closed, never raises for an advisory failure."""
+        mm = self._mmap
+        if mm is None or len(mm) == 0 or not hasattr(mm, "madvise"):
+            return
+        base = np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
+        page, size = mmap.PAGESIZE, len(mm)
+        todo = ([(getattr(mmap, "MADV_WILLNEED", None), False)] if willneed else []) + \
+               ([(getattr(mmap, "MADV_DONTNEED", None), True)] if release else [])
+        for option, inward in todo:
+            if option is None:
+                continue
+            for v in views:
+                t = getattr(v, "packed", v)
+                start = t.data_ptr() - base
+                end = start + t.numel()
+                if start < 0 or end > size:
+                    continue
+                lo = -(-start // page) * page if inward else start // page * page
+                hi = end // page * page if inward else min(size, -(-end // page) * page)
+                if hi > lo:
+                    try:
+                        mm.madvise(option, lo, hi - lo)
+                    except (OSError, ValueError):
+                        pass
+
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Release the mapping. Tensors already handed out stay valid (they keep it alive);

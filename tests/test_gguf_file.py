@@ -255,6 +255,15 @@ def test_close_keeps_handed_out_tensors_valid(sample_file):
     f.close()  # idempotent
 
 
+def test_maps_tells_views_from_copies(sample_file):
+    f = GGUFFile(sample_file)
+    view = f.packed("blk.0.attn_q.weight")
+    assert f.maps(view) and f.maps(f.tensors["blk.0.attn_q.weight"].packed)
+    assert not f.maps(view.clone()) and not f.maps(torch.zeros(4))
+    f.close()
+    assert not f.maps(view)
+
+
 def test_prefetch_is_advisory(sample_file):
     """prefetch() asks for readahead where madvise exists, leaves contents and views untouched,
     and is a no-op (False) on a closed file."""

@@ -305,18 +305,58 @@ def test_load_swaps_in_packed_layers_and_builds_nothing(zoo, monkeypatch):
 
 def test_weights_stay_packed(zoo):
     packed, _ = zoo.files("qwen2")
-    model = hanzo_torch.load(packed)
+    model = hanzo_torch.load(packed, mmap=True)
     f = model.gguf
-    lo = f.packed("token_embd.weight").data_ptr() - f.tensor_info["token_embd.weight"].offset
     for name, p in model.named_parameters():
         if p.dim() == 1:
             assert type(p) is not GGUFTensor and p.dtype == torch.float32, name
         else:
             assert isinstance(p, GGUFTensor), name
-            # a view of the memory-mapped file, not a copy
-            assert lo <= p.packed.data_ptr() < lo + f.size, name
+            assert f.maps(p.packed), name  # a view of the memory-mapped file, not a copy
     assert model.output.weight is model.token_embd.weight  # tied: no output.weight in the file
     assert model.token_embd.weight.qtype == "Q4_K"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3moe"])
+def test_copied_weights_equal_mapped_ones(zoo, arch):
+    """mmap=False: every packed weight (expert stacks included) is a copy outside the file mapping
+    with the same bytes, page-aligned, tied weights stay one tensor, and the logits are the same bits."""
+    packed, _ = zoo.files(arch)
+    mapped = hanzo_torch.load(packed, max_context=32, mmap=True)
+    copied = hanzo_torch.load(packed, max_context=32, mmap=False)
+    f = copied.gguf
+    pm, pc = dict(mapped.named_parameters()), dict(copied.named_parameters())
+    assert pm.keys() == pc.keys()
+    n_packed = 0
+    for name, w in pc.items():
+        if isinstance(w, GGUFTensor):
+            n_packed += 1
+            assert not f.maps(w.packed) and w.packed.data_ptr() % 4096 == 0, name
+            assert (w.qtype, w.shape, w.dtype) == (pm[name].qtype, pm[name].shape, pm[name].dtype), name
+            assert torch.equal(w.packed, pm[name].packed), name
+    assert n_packed >= 9
+    assert copied.output.weight is copied.token_embd.weight
+    with torch.inference_mode():
+        assert torch.equal(copied(zoo.prompt), mapped(zoo.prompt))
+
+
+def test_mmap_argument_is_checked_before_work(zoo, tmp_path):
+    packed, _ = zoo.files("qwen2")
+    with pytest.raises(TypeError, match="mmap must be None, True or False, got str 'no'"):
+        hanzo_torch.load(packed, mmap="no")
+    with pytest.raises(TypeError, match="mmap must be"):  # before the file is even opened
+        hanzo_torch.load(tmp_path / "missing.gguf", mmap=1)
+
+
+def test_mmap_false_refuses_a_copy_that_does_not_fit(zoo, monkeypatch):
+    from hanzo_torch import host_memory
+
+    packed, _ = zoo.files("qwen2")
+    monkeypatch.setattr(host_memory, "mem_available", lambda: 1000)
+    with pytest.raises(MemoryError, match=r"packed.gguf'\): mmap=False needs .* GiB .* available; use mmap=True"):
+        hanzo_torch.load(packed, mmap=False)
+    model = hanzo_torch.load(packed)  # the default maps the file when the copy would not fit in half
+    assert all(model.gguf.maps(p.packed) for p in model.parameters() if isinstance(p, GGUFTensor))
 
 
 def test_config_from_metadata(zoo):

@@ -49,10 +49,11 @@ def test_chat_answer_is_python_code(model):
 
 
 def test_rss_stays_near_file_size():
-    """In a fresh interpreter: RSS after load stays under RSS_FACTOR x the file size, and so does
-    what loading plus a forward (which pages in every weight) adds to the interpreter's RSS.
-    Packed weights are views of the mapped file; nothing full-precision is allocated. (The
-    absolute RSS after a forward is about 1.28x: the file plus ~300 MiB of torch itself.)"""
+    """In a fresh interpreter: what loading adds to the interpreter's RSS, and loading plus a
+    forward (which pages in every weight), stays under RSS_FACTOR x the file size. Packed weights
+    are views of the mapped file or (load's default where the kernel has huge pages) one packed
+    copy whose file pages are dropped from the mapping; nothing full-precision is allocated. (The
+    absolute RSS after a forward is about 1.35-1.45x: the weights once plus ~300 MiB of torch.)"""
     path = _model_path()
     script = textwrap.dedent(f"""
         import json, time, torch, hanzo_torch
@@ -76,5 +77,5 @@ def test_rss_stays_near_file_size():
     print(f"\nfile {size / 2**20:.0f} MiB, RSS: start {r['base'] / 2**20:.0f} MiB, after load "
           f"{r['after_load'] / 2**20:.0f} MiB, after a forward {r['after_forward'] / 2**20:.0f} MiB; "
           f"load {r['load_s']:.2f} s")
-    assert r["after_load"] < RSS_FACTOR * size
+    assert r["after_load"] - r["base"] < RSS_FACTOR * size
     assert r["after_forward"] - r["base"] < RSS_FACTOR * size
