@@ -3,7 +3,7 @@
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
         [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args="-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
-        [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--group-ab] [--mmap-ab] [--decode-attention-ab] [--profile]
+        [--busy-kind spin|matmul] [--matvec-ab] [--repack-ab] [--group-ab] [--ranged-ab] [--mmap-ab] [--decode-attention-ab] [--profile]
         [--kv-dtype auto|f32|f16|bf16|q8_0]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
@@ -63,6 +63,10 @@ same weights, alternating; its ratio column is grouped / apart.
 ``--repack-ab`` adds our model once more with the 256-bit Q4_K / Q6_K GEMM on row-by-row tiles instead of
 row-interleaved panels (``set_repack(False)``, what ``HANZO_CPU_REPACK=0`` gives), same weights,
 alternating; its ratio column is interleaved / row tiles.
+
+``--ranged-ab`` adds our model once more with every parallel region's tasks handed out from one
+shared counter (``set_ranged_tasks(False)``, what ``HANZO_CPU_RANGED_TASKS=0`` gives) instead of one
+contiguous range per thread, same weights, alternating; its ratio column is ranged / shared.
 
 ``--mmap-ab`` loads our model a second time with ``mmap=True`` (packed weights left as views of the
 mapped file) beside the default one (copied into memory advised for transparent huge pages where
@@ -257,6 +261,24 @@ class HanzoNoRepack:
             return self.ours.measure(row, ctx, ids)
         finally:
             hcpu.set_repack(on)
+
+
+class HanzoSharedCounter:
+    """The same loaded model with every parallel region's tasks handed out from one shared counter
+    instead of one contiguous range per thread (``--ranged-ab``; ``HANZO_CPU_RANGED_TASKS=0``)."""
+
+    name = "hanzo-torch (shared task counter)"
+
+    def __init__(self, ours: Hanzo):
+        self.ours, self.version = ours, ours.version
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        on = hcpu.ranged_tasks()
+        hcpu.set_ranged_tasks(False)
+        try:
+            return self.ours.measure(row, ctx, ids)
+        finally:
+            hcpu.set_ranged_tasks(on)
 
 
 class HanzoApartQKV:
@@ -504,6 +526,8 @@ def main() -> None:
                     help="also run our model with the Q4_K / Q6_K GEMM on row tiles (HANZO_CPU_REPACK=0)")
     ap.add_argument("--group-ab", action="store_true",
                     help="also run our model with q, k and v as three mul_mat calls instead of one mul_mat_group")
+    ap.add_argument("--ranged-ab", action="store_true",
+                    help="also run our model with each region's tasks from one shared counter (HANZO_CPU_RANGED_TASKS=0)")
     ap.add_argument("--mmap-ab", action="store_true",
                     help="also run a second copy of our model whose weights stay views of the mapped file (mmap=True)")
     ap.add_argument("--profile", action="store_true")
@@ -538,6 +562,8 @@ def main() -> None:
         engines.append(HanzoApartQKV(engines[0]))
     if args.repack_ab:
         engines.append(HanzoNoRepack(engines[0]))
+    if args.ranged_ab:
+        engines.append(HanzoSharedCounter(engines[0]))
     if args.mmap_ab:
         engines.append(HanzoMapped(args.model, n_ctx, None if args.kv_dtype == "auto" else args.kv_dtype))
     if not args.no_llama_cpp:

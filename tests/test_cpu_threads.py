@@ -30,6 +30,7 @@ def ext():
     e = hcpu.extension()
     yield e
     e.set_adaptive_threads(True)  # defaults back
+    e.set_ranged_tasks(True)
 
 
 def loss(ext, n=1):
@@ -125,6 +126,46 @@ def test_environment_variable(ext, monkeypatch):
     assert hcpu.thread_stats()["enabled"]
 
 
+def test_ranged_tasks_switch_and_environment_variable(ext, monkeypatch):
+    assert hcpu.ranged_tasks()
+    hcpu.set_ranged_tasks(False)
+    assert not hcpu.ranged_tasks() and not ext.ranged_tasks()
+    hcpu.set_ranged_tasks(True)
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("HANZO_CPU_RANGED_TASKS", value)
+        hcpu._configure(ext)
+        assert hcpu.ranged_tasks() is on, value
+    monkeypatch.setenv("HANZO_CPU_RANGED_TASKS", "maybe")
+    with pytest.raises(ValueError, match="HANZO_CPU_RANGED_TASKS"):
+        hcpu.check_environment()
+    with pytest.warns(RuntimeWarning, match="HANZO_CPU_RANGED_TASKS"):
+        hcpu._configure(ext)
+    assert hcpu.ranged_tasks()
+
+
+def test_every_task_runs_once_whatever_the_thread_count(ext):
+    """A mat-vec of many small tasks (64-byte task size): each output row is written by exactly one
+    task. Two inputs alternate, so a task dealt to no thread would leave the other input's rows
+    (or garbage) in a recycled output buffer, whichever thread count and scheme deal them."""
+    w = random_blocks("Q4_K", 3001, 256, seed=3)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(1, 256, generator=g) for _ in range(2)]
+    want = [hcpu.mul_mat(x, w, "Q4_K") for x in xs]
+    assert not torch.equal(want[0], want[1])
+    prev = torch.get_num_threads()
+    ext.set_matvec_chunk_bytes(64, 1)
+    try:
+        for threads in (2, 3, 7):
+            torch.set_num_threads(threads)
+            for ranged in (True, False):
+                ext.set_ranged_tasks(ranged)
+                for i in range(6):
+                    assert torch.equal(hcpu.mul_mat(xs[i % 2], w, "Q4_K"), want[i % 2]), (threads, ranged, i)
+    finally:
+        ext.set_matvec_chunk_bytes(262144, 4)
+        torch.set_num_threads(prev)
+
+
 def _kv(S, Hk, D, seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(1, S, Hk, D, generator=g).to(torch.float16),
@@ -171,6 +212,12 @@ def test_results_do_not_depend_on_threads_or_the_controller(ext):
         p0 = ext.thread_stats()["parallel_regions"]
         runs["2 threads"] = [f() for f in ops]
         assert ext.thread_stats()["parallel_regions"] - p0 >= len(ops)  # every call opened a region
+        ext.set_ranged_tasks(False)
+        runs["2 threads, one shared counter"] = [f() for f in ops]
+        ext.set_ranged_tasks(True)
+        torch.set_num_threads(5)  # uneven ranges, more threads than cores: ranges emptied by others
+        runs["5 threads"] = [f() for f in ops]
+        torch.set_num_threads(2)
         ext.set_adaptive_threads(True, LONG, LONG)
         loss(ext, 4)  # held serial for the rest of the test
         s0 = ext.thread_stats()["serial_regions"]

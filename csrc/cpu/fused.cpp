@@ -17,8 +17,8 @@
 // (shapes, position bounds) and make their inputs contiguous.
 //
 // Threading: decode shapes are a few thousand floats per op, where waking the intra-op pool costs
-// more than the work, so a parallel region (hz_run_tasks of threading.h: tasks from a shared
-// counter, run serially while the adaptive controller holds regions serial) is opened only above
+// more than the work, so a parallel region (hz_run_tasks of threading.h: each thread's own range of
+// tasks, then the others', run serially while the adaptive controller holds regions serial) is opened only above
 // kParallelWork floats of work; attention only above ~4 MFLOP (attention_decode: kAttnParallelWork). No split depends
 // on the thread count, so results are the same bits with any number of threads.
 #include <torch/library.h>
@@ -64,7 +64,7 @@ template <typename T>
 inline T st(float v) { return static_cast<T>(v); }
 
 // Runs body(i0, i1) over [0, n): inline when the total work (n * per_item floats) is small, else in
-// tasks of ~kParallelWork/4 floats taken from a shared counter.
+// tasks of ~kParallelWork/4 floats (hz_run_tasks: each thread's own range first, then the others').
 template <typename F>
 void for_rows(int64_t n, int64_t per_item, const F& body) {
     if (n <= 0) return;

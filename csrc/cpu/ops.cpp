@@ -122,9 +122,9 @@ QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
     return r;
 }
 
-// Tasks 0..n-1 on nth threads, each thread taking the next task from a shared counter (dynamic
-// schedule): on a loaded machine a descheduled thread delays only its current task; the adaptive
-// controller may run them serially (threading.h).
+// Tasks 0..n-1 on nth threads, each thread taking its own contiguous range first, then the others'
+// from their back (hz_run_tasks): on a loaded machine a descheduled thread delays only its current
+// task; the adaptive controller may run them serially (threading.h).
 template <class F>
 void run_tasks(int64_t n, int64_t nth, const F& task) {
     hz_run_tasks(n, nth, task);
@@ -385,7 +385,7 @@ torch::Tensor mul_mat_id(torch::Tensor x, torch::Tensor w, torch::Tensor ids, in
     float* o = out.data_ptr<float>();
     const uint8_t* wp = w.data_ptr<uint8_t>();
     // Each used expert gets its rows' activations gathered and an output buffer; then ONE parallel
-    // region runs tasks (expert, weight-row range) from a shared counter. An op call per expert
+    // region runs tasks (expert, weight-row range) as hz_run_tasks deals them. An op call per expert
     // (8 per token for a top-8 MoE, small matrices) paid a fork-join each and cut each expert into
     // at least 4 tasks per thread. Tasks: ~256 KiB of weights (mat-vec) or 16 GEMM tiles.
     struct Job { int64_t e, c; bool mv; torch::Tensor gq, gd, gs, gsf, gy; HzAct a; };
@@ -960,6 +960,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_matvec_chunk_bytes", [](int64_t bytes, int64_t min_per_thread) { hz_mv_chunk_bytes = std::max<int64_t>(1, bytes); hz_mv_min_chunks = std::max<int64_t>(1, min_per_thread); },
           "mat-vec task size of the dynamic row split: bytes of weights per task, minimum tasks per thread (benchmark knob)",
           py::arg("bytes"), py::arg("min_per_thread") = 4);
+    m.def("set_ranged_tasks", [](bool on) { hz_ranged_tasks.store(on); },
+          "parallel regions: each thread's own contiguous range of tasks first (true) or one shared counter");
+    m.def("ranged_tasks", []() { return hz_ranged_tasks.load(); }, "whether parallel regions deal contiguous task ranges");
     m.def("set_adaptive_threads", &hz_set_adaptive_threads,
           "adaptive thread count of the kernels' parallel regions on/off (resets its state); hold times in ns",
           py::arg("enabled"), py::arg("hold_min_ns") = 50'000'000, py::arg("hold_max_ns") = 1'000'000'000);

@@ -15,6 +15,8 @@
 // regions run parallel as a probe, and a trip among the probe's kWindow regions doubles the hold
 // (up to hold_max), while a probe without one resets it to hold_min. The state is shared by all kernels and guarded by one mutex (one uncontended lock
 // per region, against tens of microseconds of work).
+std::atomic<bool> hz_ranged_tasks{true};
+
 namespace {
 constexpr int kWindow = 16, kTrip = 4;
 

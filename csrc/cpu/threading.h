@@ -1,8 +1,8 @@
 // Parallel regions of the CPU kernels (ops.cpp, fused.cpp) and the adaptive thread count.
 //
 // A region is one at::parallel_for (an OpenMP fork-join in torch's CPU build) whose threads take
-// tasks from a shared counter (hz_run_tasks), so a thread that runs late delays only the task it
-// holds. The join still waits for every thread of the pool, including one the OS has descheduled
+// their own contiguous range of tasks first, then the others' (hz_run_tasks), so a thread that runs
+// late delays only the task it holds. The join still waits for every thread of the pool, including one the OS has descheduled
 // before it arrived: on a machine whose cores are busy with other processes, such waits can make
 // a parallel region slower than the same tasks run by the calling thread alone.
 //
@@ -40,8 +40,37 @@ void hz_set_adaptive_threads(bool enabled, int64_t hold_min_ns, int64_t hold_max
 // serial, hold_ns).
 std::map<std::string, int64_t> hz_thread_stats();
 
+// Tasks of a region: thread c owns the contiguous range [c * n / nth, (c + 1) * n / nth) and takes
+// its tasks from the front; a thread whose range is empty takes the others' from their back. So
+// each thread's tasks are neighbours in memory (a mat-vec thread streams one run of weight rows:
+// its prefetches past a task's end fetch its own next task, and the hardware prefetchers are
+// not restarted at every task), while a thread that runs late still delays only the task it holds
+// (the others take the rest of its range). One 64-bit word per range packs [lo, hi).
+// Measured (2 threads, Zen 4, 1 GiB read in huge pages): one contiguous half per thread 52-58
+// GB/s against 48-53 GB/s for 256 KiB pieces taken in turn, in the box's fast minutes.
+struct alignas(64) HzTaskRange {
+    std::atomic<uint64_t> v;
+};
+constexpr int64_t kHzMaxRanges = 64;  // more threads share one counter instead
+// false: every thread takes the next index from one shared counter (set_ranged_tasks, for A/B).
+extern std::atomic<bool> hz_ranged_tasks;
+
+inline bool hz_take(HzTaskRange& r, bool front, int64_t& i) {
+    uint64_t v = r.v.load(std::memory_order_relaxed);
+    for (;;) {
+        const uint64_t lo = v & 0xffffffffu, hi = v >> 32;
+        if (lo >= hi) return false;
+        const uint64_t next = front ? ((hi << 32) | (lo + 1)) : (((hi - 1) << 32) | lo);
+        if (r.v.compare_exchange_weak(v, next, std::memory_order_relaxed)) {
+            i = (int64_t)(front ? lo : hi - 1);
+            return true;
+        }
+    }
+}
+
 // Runs task(i) for i in [0, n) on up to nth threads (nth <= 1: inline, no region), each thread
-// taking the next index from a shared counter. task must not depend on which thread runs it.
+// taking its tasks as HzTaskRange says (past kHzMaxRanges threads or 2^32 tasks: the next index
+// from one shared counter). task must not depend on which thread runs it.
 template <class F>
 void hz_run_tasks(int64_t n, int64_t nth, const F& task) {
     if (n <= 0) return;
@@ -52,14 +81,25 @@ void hz_run_tasks(int64_t n, int64_t nth, const F& task) {
         for (int64_t i = 0; i < n; ++i) task(i);
         return;
     }
+    const bool ranged = nth <= kHzMaxRanges && n < (int64_t(1) << 32) && hz_ranged_tasks.load(std::memory_order_relaxed);
+    HzTaskRange ranges[kHzMaxRanges];
+    if (ranged)
+        for (int64_t c = 0; c < nth; ++c)
+            ranges[c].v.store((uint64_t)((c + 1) * n / nth) << 32 | (uint64_t)(c * n / nth), std::memory_order_relaxed);
     std::atomic<int64_t> next{0};
     int64_t own_tasks = 0, own_ns = 0;
     const int64_t t0 = hz_now_ns();
     at::parallel_for(0, nth, 1, [&](int64_t c, int64_t) {
         // chunk 0 of at::parallel_for runs on the calling thread (OpenMP's master)
         const int64_t s = c == 0 ? hz_now_ns() : 0;
-        int64_t k = 0;
-        for (int64_t i; (i = next.fetch_add(1)) < n; ++k) task(i);
+        int64_t k = 0, i;
+        if (ranged) {
+            while (hz_take(ranges[c], true, i)) { task(i); ++k; }
+            for (int64_t d = 1; d < nth; ++d)
+                while (hz_take(ranges[(c + d) % nth], false, i)) { task(i); ++k; }
+        } else {
+            for (; (i = next.fetch_add(1)) < n; ++k) task(i);
+        }
         if (c == 0) {
             own_tasks = k;
             own_ns = hz_now_ns() - s;

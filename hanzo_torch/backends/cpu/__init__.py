@@ -40,7 +40,10 @@ included (256-bit vectors: 1.6x the 512-bit row tiles on Zen 4); ``HANZO_CPU_REP
 :func:`set_repack` gives the row-by-row tiles (the 512-bit ones on ``avx512``).
 
 Threads: torch's intra-op pool (``torch.set_num_threads``). Each parallel region of the kernels
-hands out tasks from a shared counter; an adaptive thread count runs the regions on the calling
+deals each thread a contiguous range of its tasks (a mat-vec thread streams one run of weight
+rows), and a thread done with its own range takes the others' from their back;
+``HANZO_CPU_RANGED_TASKS=0`` or :func:`set_ranged_tasks` hands out every task from one shared
+counter instead, for A/B runs. An adaptive thread count runs the regions on the calling
 thread alone while parallel ones keep coming out slower than that (another process busy on the
 cores), probing the pool again now and then. Results are the same bits either way.
 ``HANZO_CPU_ADAPTIVE_THREADS=0`` (read when the kernels load) or :func:`set_adaptive_threads`
@@ -71,7 +74,7 @@ from ..base import Backend, ComputeDefaults
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "mul_mat_group", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
-           "set_matvec512", "matvec512", "set_repack", "repack"]
+           "set_matvec512", "matvec512", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
@@ -262,6 +265,7 @@ def check_environment() -> None:
     _flag_env("HANZO_CPU_GEMM512")
     _flag_env("HANZO_CPU_MATVEC512")
     _flag_env("HANZO_CPU_REPACK")
+    _flag_env("HANZO_CPU_RANGED_TASKS")
 
 
 def default_isa() -> int:
@@ -459,6 +463,11 @@ def _configure(ext) -> None:
         warnings.warn(f"hanzo_torch: {e}; the row-interleaved Q4_K / Q6_K GEMM stays on", RuntimeWarning, stacklevel=2)
         ext.set_repack(True)
     try:
+        ext.set_ranged_tasks(_flag_env("HANZO_CPU_RANGED_TASKS"))
+    except ValueError as e:
+        warnings.warn(f"hanzo_torch: {e}; the contiguous task ranges stay on", RuntimeWarning, stacklevel=2)
+        ext.set_ranged_tasks(True)
+    try:
         ext.set_matvec512(_flag_env("HANZO_CPU_MATVEC512"))
     except ValueError as e:
         warnings.warn(f"hanzo_torch: {e}; the 512-bit mat-vec stays on", RuntimeWarning, stacklevel=2)
@@ -591,6 +600,24 @@ def set_matvec512(enabled: bool) -> None:
 def matvec512() -> bool:
     """Whether the ``avx512`` level's Q4_K/Q6_K mat-vec uses its 512-bit rows (:func:`set_matvec512`)."""
     return bool(_ext_or_raise().matvec512())
+
+
+def set_ranged_tasks(enabled: bool) -> None:
+    """Deal the tasks of the kernels' parallel regions as one contiguous range per thread, taken
+    from the front, each thread then taking the others' leftovers from their back (True, the
+    default), or hand out every task from one shared counter (False), for A/B runs. Results are
+    the same bits either way (no kernel's split depends on which thread runs a task).
+    ``HANZO_CPU_RANGED_TASKS=0`` (read when the kernels load) sets False.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_ranged_tasks(bool(enabled))
+
+
+def ranged_tasks() -> bool:
+    """Whether parallel regions deal contiguous task ranges (:func:`set_ranged_tasks`)."""
+    return bool(_ext_or_raise().ranged_tasks())
 
 
 def set_adaptive_threads(enabled: bool) -> None:
