@@ -288,23 +288,6 @@ def test_gemm512_against_its_256_bit_twin(ext, qtype, K):
     assert not torch.equal(y512, torch.zeros_like(y512))
 
 
-def test_gemm512_environment_variable(ext, monkeypatch):
-    wide = hcpu.gemm512()
-    try:
-        for value, on in (("0", False), ("1", True), ("", True)):
-            monkeypatch.setenv("HANZO_CPU_GEMM512", value)
-            hcpu._configure(ext)
-            assert hcpu.gemm512() is on, value
-        monkeypatch.setenv("HANZO_CPU_GEMM512", "wide")
-        with pytest.raises(ValueError, match="HANZO_CPU_GEMM512"):
-            hcpu.check_environment()
-        with pytest.warns(RuntimeWarning, match="HANZO_CPU_GEMM512"):
-            hcpu._configure(ext)
-        assert hcpu.gemm512()
-    finally:
-        hcpu.set_gemm512(wide)
-
-
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("N,M,K", [(13, 16, 256), (8, 37, 2304), (21, 70, 1536), (5, 17, 4352), (1, 19, 512)])
 def test_interleaved_gemm_against_rows(ext, qtype, N, M, K):
@@ -380,20 +363,6 @@ def test_q6k_interleaved_gemm_extreme_values(ext):
     assert_tight(rows, xh, wf, "rows")
 
 
-def test_repack_environment_variable(ext, monkeypatch):
-    before = hcpu.repack()
-    try:
-        for value, on in (("0", False), ("1", True), ("", True)):
-            monkeypatch.setenv("HANZO_CPU_REPACK", value)
-            hcpu._configure(ext)
-            assert hcpu.repack() is on, value
-        monkeypatch.setenv("HANZO_CPU_REPACK", "yes please")
-        with pytest.raises(ValueError, match="HANZO_CPU_REPACK"):
-            hcpu.check_environment()
-    finally:
-        hcpu.set_repack(before)
-
-
 def test_gemm_blocking_knob(ext):
     """The GEMM's M block only regroups rows: any value gives the same bits; a K panel that is not
     a multiple of 256 values is refused."""
@@ -446,18 +415,30 @@ def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
     assert not torch.equal(y512, torch.zeros_like(y512))
 
 
-def test_matvec512_environment_variable(ext, monkeypatch):
-    wide = hcpu.matvec512()
+@pytest.mark.parametrize("env, getter, setter", [
+    ("HANZO_CPU_GEMM512", "gemm512", "set_gemm512"),
+    ("HANZO_CPU_MATVEC512", "matvec512", "set_matvec512"),
+    ("HANZO_CPU_REPACK", "repack", "set_repack"),
+    ("HANZO_CPU_RANGED_TASKS", "ranged_tasks", "set_ranged_tasks"),
+])
+def test_switch_environment_variables(ext, monkeypatch, env, getter, setter):
+    """Each A/B switch of the kernels: read when they load (0 off; 1 or empty on), a malformed
+    value refused by check_environment and, at load, warned about with the default kept."""
+    get, put = getattr(hcpu, getter), getattr(hcpu, setter)
+    before = get()
     try:
+        put(False)
+        assert get() is False and bool(getattr(ext, getter)()) is False
+        put(True)
         for value, on in (("0", False), ("1", True), ("", True)):
-            monkeypatch.setenv("HANZO_CPU_MATVEC512", value)
+            monkeypatch.setenv(env, value)
             hcpu._configure(ext)
-            assert hcpu.matvec512() is on, value
-        monkeypatch.setenv("HANZO_CPU_MATVEC512", "wide")
-        with pytest.raises(ValueError, match="HANZO_CPU_MATVEC512"):
+            assert get() is on, value
+        monkeypatch.setenv(env, "maybe")
+        with pytest.raises(ValueError, match=env):
             hcpu.check_environment()
-        with pytest.warns(RuntimeWarning, match="HANZO_CPU_MATVEC512"):
+        with pytest.warns(RuntimeWarning, match=env):
             hcpu._configure(ext)
-        assert hcpu.matvec512()
+        assert get() is True
     finally:
-        hcpu.set_matvec512(wide)
+        put(before)

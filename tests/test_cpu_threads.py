@@ -126,23 +126,6 @@ def test_environment_variable(ext, monkeypatch):
     assert hcpu.thread_stats()["enabled"]
 
 
-def test_ranged_tasks_switch_and_environment_variable(ext, monkeypatch):
-    assert hcpu.ranged_tasks()
-    hcpu.set_ranged_tasks(False)
-    assert not hcpu.ranged_tasks() and not ext.ranged_tasks()
-    hcpu.set_ranged_tasks(True)
-    for value, on in (("0", False), ("1", True)):
-        monkeypatch.setenv("HANZO_CPU_RANGED_TASKS", value)
-        hcpu._configure(ext)
-        assert hcpu.ranged_tasks() is on, value
-    monkeypatch.setenv("HANZO_CPU_RANGED_TASKS", "maybe")
-    with pytest.raises(ValueError, match="HANZO_CPU_RANGED_TASKS"):
-        hcpu.check_environment()
-    with pytest.warns(RuntimeWarning, match="HANZO_CPU_RANGED_TASKS"):
-        hcpu._configure(ext)
-    assert hcpu.ranged_tasks()
-
-
 def test_every_task_runs_once_whatever_the_thread_count(ext):
     """A mat-vec of many small tasks (64-byte task size): each output row is written by exactly one
     task. Two inputs alternate, so a task dealt to no thread would leave the other input's rows
