@@ -563,8 +563,13 @@ def main() -> None:
     if args.repack_ab:
         engines.append(HanzoNoRepack(engines[0]))
     if args.ranged_ab:
+        if not hcpu.ranged_tasks():
+            ap.error("--ranged-ab: the task ranges are off (HANZO_CPU_RANGED_TASKS=0): both columns would be the shared counter")
         engines.append(HanzoSharedCounter(engines[0]))
     if args.mmap_ab:
+        if engines[0].mapped:
+            ap.error("--mmap-ab: our default load kept the weights mapped here (no transparent huge pages or too "
+                     "little memory): both columns would be mapped")
         engines.append(HanzoMapped(args.model, n_ctx, None if args.kv_dtype == "auto" else args.kv_dtype))
     if not args.no_llama_cpp:
         try:

@@ -680,7 +680,7 @@ class GGUFFile:
             for v in views:
                 t = getattr(v, "packed", v)
                 start = t.data_ptr() - base
-                end = start + t.numel()
+                end = start + t.numel() * t.element_size()
                 if start < 0 or end > size:
                     continue
                 lo = -(-start // page) * page if inward else start // page * page

@@ -70,6 +70,18 @@ def test_generate_streams_same_text_as_api(tiny_model, capsys):
     assert "loaded in" in err and err.count("\n") == 2
 
 
+@pytest.mark.parametrize("flag, want", [([], None), (["--mmap"], True), (["--no-mmap"], False)])
+def test_mmap_flags_reach_load(tiny_model, capsys, monkeypatch, flag, want):
+    import hanzo_torch
+
+    real, seen = hanzo_torch.load, []
+    monkeypatch.setattr(hanzo_torch, "load", lambda *a, **kw: seen.append(kw.get("mmap", "absent")) or real(*a, **kw))
+    rc, out, _ = run(["generate", "-m", tiny_model, "-p", "hello", "-n", 2, "--temp", 0, "--max-context", 32, *flag],
+                     capsys)
+    assert rc == 0 and out
+    assert seen == [want]
+
+
 def test_generate_seed_sampling_flags_and_stdin(tiny_model, capsys, monkeypatch):
     args = ["generate", "-m", tiny_model, "--max-context", 32, "-p", "hi", "-n", 8, "--temp", 1.5, "--top-k", 0, "--top-p", 1,
             "--min-p", 0, "--ignore-eos", "-q"]

@@ -28,9 +28,10 @@ LONG = 10_000_000_000  # ns: a hold that does not expire during a test
 @pytest.fixture()
 def ext():
     e = hcpu.extension()
+    ranged = e.ranged_tasks()
     yield e
     e.set_adaptive_threads(True)  # defaults back
-    e.set_ranged_tasks(True)
+    e.set_ranged_tasks(ranged)
 
 
 def loss(ext, n=1):
@@ -126,10 +127,11 @@ def test_environment_variable(ext, monkeypatch):
     assert hcpu.thread_stats()["enabled"]
 
 
-def test_every_task_runs_once_whatever_the_thread_count(ext):
-    """A mat-vec of many small tasks (64-byte task size): each output row is written by exactly one
-    task. Two inputs alternate, so a task dealt to no thread would leave the other input's rows
-    (or garbage) in a recycled output buffer, whichever thread count and scheme deal them."""
+def test_every_task_runs_whatever_the_thread_count(ext):
+    """A mat-vec of many small tasks (64-byte task size) in parallel regions (the adaptive count
+    off, so none runs inline): each output row is written by one task. Two inputs alternate, so a
+    task dealt to no thread would leave the other input's rows (or garbage) in a recycled output
+    buffer, whichever thread count and scheme deal them."""
     w = random_blocks("Q4_K", 3001, 256, seed=3)
     g = torch.Generator().manual_seed(4)
     xs = [torch.randn(1, 256, generator=g) for _ in range(2)]
@@ -137,13 +139,16 @@ def test_every_task_runs_once_whatever_the_thread_count(ext):
     assert not torch.equal(want[0], want[1])
     prev = torch.get_num_threads()
     ext.set_matvec_chunk_bytes(64, 1)
+    ext.set_adaptive_threads(False)
     try:
         for threads in (2, 3, 7):
             torch.set_num_threads(threads)
             for ranged in (True, False):
                 ext.set_ranged_tasks(ranged)
+                p0 = ext.thread_stats()["parallel_regions"]
                 for i in range(6):
                     assert torch.equal(hcpu.mul_mat(xs[i % 2], w, "Q4_K"), want[i % 2]), (threads, ranged, i)
+                assert ext.thread_stats()["parallel_regions"] - p0 == 6, (threads, ranged)
     finally:
         ext.set_matvec_chunk_bytes(262144, 4)
         torch.set_num_threads(prev)

@@ -1,6 +1,8 @@
 """host_memory: the mmap decision of load() and the huge-page copies of packed weights."""
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 
@@ -30,9 +32,9 @@ def test_thp_mode_and_mem_available_of_missing_files(tmp_path):
 def test_mem_available_parses_meminfo(tmp_path):
     p = tmp_path / "meminfo"
     p.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   12345678 kB\n")
-    assert mem_available(str(p)) == 12345678 * 1024
+    assert mem_available(str(p), str(tmp_path / "nocg")) == 12345678 * 1024
     p.write_text("MemTotal:       24000000 kB\n")
-    assert mem_available(str(p)) is None
+    assert mem_available(str(p), str(tmp_path / "nocg")) is None
 
 
 @pytest.mark.parametrize("mmap, nbytes, thp, avail, mapped", [
@@ -72,21 +74,46 @@ def test_copy_packed_copies_bytes_into_page_aligned_tensors():
     for a, b in zip(src, out):
         assert b.shape == a.shape and b.dtype == torch.uint8 and torch.equal(a, b)
         if b.numel():
-            assert b.data_ptr() % 4096 == 0 and b.data_ptr() != a.data_ptr()
+            assert b.data_ptr() % mmap.PAGESIZE == 0 and b.data_ptr() != a.data_ptr()
     first = out[0].data_ptr()
-    assert first % host_memory.HUGE_PAGE == 0  # the mapping starts on a huge page
+    assert first % host_memory.huge_page_bytes() == 0  # the mapping starts on a huge page
     out[1][0] = out[1][0] ^ 1  # copies, not views: the sources keep their bytes
     assert not torch.equal(out[1], src[1])
 
 
-def test_copy_packed_keeps_the_mapping_alive():
-    src = torch.arange(100, dtype=torch.uint8)
-    (c,) = copy_packed([src])
-    del src
+def test_copies_own_their_bytes_and_keep_the_mapping_alive():
+    """Each copy's storage holds its own bytes only (saving one saves only it), and the copies stay
+    readable after copy_packed returns, its local mapping object gone, and a collection."""
     import gc
 
+    src = [torch.arange(100, dtype=torch.uint8), torch.arange(5000, dtype=torch.int64).to(torch.uint8)]
+    seen = []
+    copies = copy_packed(src, done=seen.append)
+    assert [s is t for s, t in zip(seen, src)] == [True, True]  # done() once per source, in order
+    assert [c.untyped_storage().nbytes() for c in copies] == [100, 5000]
     gc.collect()
-    assert torch.equal(c, torch.arange(100, dtype=torch.uint8))
+    assert torch.equal(copies[0], src[0]) and torch.equal(copies[1], src[1])
+
+
+def test_huge_page_bytes_reads_the_kernel_value(tmp_path):
+    p = tmp_path / "hpage_pmd_size"
+    p.write_text("33554432\n")
+    assert host_memory.huge_page_bytes(str(p)) == 32 << 20
+    assert host_memory.huge_page_bytes(str(tmp_path / "absent")) == 2 << 20
+
+
+def test_mem_available_takes_a_cgroup_limit(tmp_path):
+    info = tmp_path / "meminfo"
+    info.write_text("MemAvailable:   8000000 kB\n")
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    assert mem_available(str(info), str(cg)) == 8000000 * 1024  # no limit files
+    (cg / "memory.max").write_text("max\n")
+    (cg / "memory.current").write_text("1000\n")
+    assert mem_available(str(info), str(cg)) == 8000000 * 1024  # "max": no limit
+    (cg / "memory.max").write_text(str(3 << 30) + "\n")
+    (cg / "memory.current").write_text(str(1 << 30) + "\n")
+    assert mem_available(str(info), str(cg)) == 2 << 30
 
 
 def test_copy_packed_refuses_other_tensors():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 
 import gguf
 import pytest
@@ -331,7 +332,7 @@ def test_copied_weights_equal_mapped_ones(zoo, arch):
     for name, w in pc.items():
         if isinstance(w, GGUFTensor):
             n_packed += 1
-            assert not f.maps(w.packed) and w.packed.data_ptr() % 4096 == 0, name
+            assert not f.maps(w.packed) and w.packed.data_ptr() % mmap.PAGESIZE == 0, name
             assert (w.qtype, w.shape, w.dtype) == (pm[name].qtype, pm[name].shape, pm[name].dtype), name
             assert torch.equal(w.packed, pm[name].packed), name
     assert n_packed >= 9

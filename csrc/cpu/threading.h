@@ -43,8 +43,7 @@ std::map<std::string, int64_t> hz_thread_stats();
 // Tasks of a region: thread c owns the contiguous range [c * n / nth, (c + 1) * n / nth) and takes
 // its tasks from the front; a thread whose range is empty takes the others' from their back. So
 // each thread's tasks are neighbours in memory (a mat-vec thread streams one run of weight rows:
-// its prefetches past a task's end fetch its own next task, and the hardware prefetchers are
-// not restarted at every task), while a thread that runs late still delays only the task it holds
+// its prefetches past a task's end fetch its own next task), while a thread that runs late still delays only the task it holds
 // (the others take the rest of its range). One 64-bit word per range packs [lo, hi).
 // Measured (2 threads, Zen 4, 1 GiB read in huge pages): one contiguous half per thread 52-58
 // GB/s against 48-53 GB/s for 256 KiB pieces taken in turn, in the box's fast minutes.
@@ -69,8 +68,8 @@ inline bool hz_take(HzTaskRange& r, bool front, int64_t& i) {
 }
 
 // Runs task(i) for i in [0, n) on up to nth threads (nth <= 1: inline, no region), each thread
-// taking its tasks as HzTaskRange says (past kHzMaxRanges threads or 2^32 tasks: the next index
-// from one shared counter). task must not depend on which thread runs it.
+// taking its tasks as HzTaskRange says (more than kHzMaxRanges threads, 2^32 tasks or more, or
+// set_ranged_tasks(false): the next index from one shared counter). task must not depend on which thread runs it.
 template <class F>
 void hz_run_tasks(int64_t n, int64_t nth, const F& task) {
     if (n <= 0) return;

@@ -70,8 +70,8 @@ def load(
             weights stay zero-copy views of the file mapping (page-cache pages; memory shared with
             other processes mapping the file, llama.cpp's default). False: they are copied at load
             into one private anonymous mapping advised for 2 MiB transparent huge pages, which a
-            decode step streams faster (Zen 4, 2 threads: +7% tokens/s, ``benchmarks/RESULTS.md``);
-            costs a resident copy of the weights and a read of the whole file at load. None
+            decode step streams faster (Zen 4, 2 threads: tg128 1.02-1.11x over three runs,
+            ``benchmarks/RESULTS.md``); costs a read of the whole file at load. None
             (default): False where the kernel offers transparent huge pages (``always`` or
             ``madvise``) and the weights take at most half of ``MemAvailable``, else True
             (:func:`hanzo_torch.host_memory.resolve_mmap`).
@@ -103,7 +103,7 @@ def load(
     """
     from ..gguf_file import GGUFError, GGUFFile
 
-    from .. import backends
+    from .. import backends, host_memory
 
     device = backends.prepare_device(device)  # the vulkan backend claims its device type here
     backend = backends.for_device(device)
@@ -115,8 +115,7 @@ def load(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     kv_name = _kv_dtype_name(kv_dtype, backend, dtype)
     check_max_context(max_context, 2**63, extend_context)  # types and sign, before any work
-    if mmap is not None and not isinstance(mmap, bool):
-        raise TypeError(f"load: mmap must be None, True or False, got {type(mmap).__name__} {mmap!r}")
+    host_memory.check_mmap_arg(mmap)
     group = None
     if tensor_parallel is not False or tp_group is not None:
         from .. import distributed
@@ -169,7 +168,8 @@ def load(
         distributed.shard_model(model, f, group, plan, device)
     mapped = True
     if backend.host_memory:
-        mapped = _host_weights(model, mmap, f)
+        mapped = _host_weights(model, mmap, f, ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+                               if group is not None else 1)
     model.gguf = f
     model._tokenizer = tokenizer
     _check_first_logits(model, f.path)
@@ -178,28 +178,32 @@ def load(
     return model.eval()
 
 
-def _host_weights(model: nn.Module, mmap: Optional[bool], f) -> bool:
-    """Apply ``load``'s ``mmap`` choice to the host model's packed weights (tied ones once):
-    leave them mapped, or swap each for a :func:`~hanzo_torch.host_memory.copy_packed` copy and
-    drop the copied pages from the process's view of the file (``f``, the open GGUFFile), so the
-    resident set holds the weights once. Returns whether they stay mapped."""
+def _host_weights(model: nn.Module, mmap: Optional[bool], f, ranks_here: int = 1) -> bool:
+    """Apply ``load``'s ``mmap`` choice to the host model's packed weights that are views of the file
+    ``f`` (the open GGUFFile; tied weights once, slices already copied out by tensor parallel left
+    alone): leave them mapped, or swap each for a :func:`~hanzo_torch.host_memory.copy_packed` copy,
+    dropping each source's pages from the process's view of the file as soon as it is copied, so
+    the resident set holds about the weights once throughout. ``ranks_here``: processes on this
+    host making the same choice (tensor parallel), which share its memory. Returns whether the
+    weights stay mapped."""
     from .. import host_memory
     from ..tensor import GGUFTensor
 
     owners = {}  # id(weight) -> (weight, [(module, name), ...])
     for module in model.modules():
         for name, p in module._parameters.items():
-            if isinstance(p, GGUFTensor) and p.packed.device.type == "cpu":
+            if isinstance(p, GGUFTensor) and f.maps(p.packed):
                 owners.setdefault(id(p), (p, []))[1].append((module, name))
     weights = [w for w, _ in owners.values()]
     nbytes = sum(w.packed.numel() for w in weights)
-    if host_memory.resolve_mmap(mmap, nbytes, where=f"load({f.path!r})"):
+    if not weights or host_memory.resolve_mmap(mmap, nbytes * max(1, ranks_here), where=f"load({f.path!r})"):
         return True
-    for (w, places), packed in zip(owners.values(), host_memory.copy_packed([w.packed for w in weights])):
+    f.advise(weights, willneed=True)  # read-ahead of a cold file instead of one fault per page
+    copies = host_memory.copy_packed([w.packed for w in weights], done=lambda src: f.advise([src], release=True))
+    for (w, places), packed in zip(owners.values(), copies):
         new = nn.Parameter(w._with(packed=packed), requires_grad=False)
         for module, name in places:
             module._parameters[name] = new
-    f.advise(weights, release=True)
     return False
 
 
