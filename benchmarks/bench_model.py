@@ -227,58 +227,31 @@ class HanzoFixedThreads:
             return self.ours.measure(row, ctx, ids)
 
 
-class HanzoMatvec256:
-    """The same loaded model with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows instead of its
-    512-bit ones (``--matvec-ab``; ``HANZO_CPU_MATVEC512=0``)."""
+class HanzoSwitchedOff:
+    """The same loaded model with one of the CPU kernels' A/B switches off (the ``hcpu`` getter and
+    setter named ``getter`` and ``set_<getter>``) during each measurement:
 
-    name = "hanzo-torch (256-bit mat-vec)"
+    - ``matvec512``: the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows instead of its 512-bit ones
+      (``--matvec-ab``; ``HANZO_CPU_MATVEC512=0``);
+    - ``repack``: the 256-bit Q4_K / Q6_K prefill GEMM on row-by-row tiles instead of
+      row-interleaved panels (``--repack-ab``; ``HANZO_CPU_REPACK=0``);
+    - ``ranged_tasks``: every parallel region's tasks from one shared counter instead of one
+      contiguous range per thread (``--ranged-ab``; ``HANZO_CPU_RANGED_TASKS=0``)."""
 
-    def __init__(self, ours: Hanzo):
-        self.ours, self.version = ours, ours.version
+    NAMES = {"matvec512": "hanzo-torch (256-bit mat-vec)", "repack": "hanzo-torch (no repack)",
+             "ranged_tasks": "hanzo-torch (shared task counter)"}
+
+    def __init__(self, ours: Hanzo, getter: str):
+        self.ours, self.version, self.name = ours, ours.version, self.NAMES[getter]
+        self.get, self.set = getattr(hcpu, getter), getattr(hcpu, "set_" + getter)
 
     def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
-        wide = hcpu.matvec512()
-        hcpu.set_matvec512(False)
+        on = self.get()
+        self.set(False)
         try:
             return self.ours.measure(row, ctx, ids)
         finally:
-            hcpu.set_matvec512(wide)
-
-
-class HanzoNoRepack:
-    """The same loaded model with the 256-bit Q4_K / Q6_K prefill GEMM on row-by-row tiles instead of
-    row-interleaved panels (``--repack-ab``; ``HANZO_CPU_REPACK=0``)."""
-
-    name = "hanzo-torch (no repack)"
-
-    def __init__(self, ours: Hanzo):
-        self.ours, self.version = ours, ours.version
-
-    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
-        on = hcpu.repack()
-        hcpu.set_repack(False)
-        try:
-            return self.ours.measure(row, ctx, ids)
-        finally:
-            hcpu.set_repack(on)
-
-
-class HanzoSharedCounter:
-    """The same loaded model with every parallel region's tasks handed out from one shared counter
-    instead of one contiguous range per thread (``--ranged-ab``; ``HANZO_CPU_RANGED_TASKS=0``)."""
-
-    name = "hanzo-torch (shared task counter)"
-
-    def __init__(self, ours: Hanzo):
-        self.ours, self.version = ours, ours.version
-
-    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
-        on = hcpu.ranged_tasks()
-        hcpu.set_ranged_tasks(False)
-        try:
-            return self.ours.measure(row, ctx, ids)
-        finally:
-            hcpu.set_ranged_tasks(on)
+            self.set(on)
 
 
 class HanzoApartQKV:
@@ -557,15 +530,15 @@ def main() -> None:
     if args.threads_ab:
         engines.append(HanzoFixedThreads(engines[0]))
     if args.matvec_ab:
-        engines.append(HanzoMatvec256(engines[0]))
+        engines.append(HanzoSwitchedOff(engines[0], "matvec512"))
     if args.group_ab:
         engines.append(HanzoApartQKV(engines[0]))
     if args.repack_ab:
-        engines.append(HanzoNoRepack(engines[0]))
+        engines.append(HanzoSwitchedOff(engines[0], "repack"))
     if args.ranged_ab:
         if not hcpu.ranged_tasks():
             ap.error("--ranged-ab: the task ranges are off (HANZO_CPU_RANGED_TASKS=0): both columns would be the shared counter")
-        engines.append(HanzoSharedCounter(engines[0]))
+        engines.append(HanzoSwitchedOff(engines[0], "ranged_tasks"))
     if args.mmap_ab:
         if engines[0].mapped:
             ap.error("--mmap-ab: our default load kept the weights mapped here (no transparent huge pages or too "
@@ -614,7 +587,7 @@ def main() -> None:
                 ctx = torch.randint(100, 20000, (row.ctx_len,), generator=g).tolist()
                 ids = torch.randint(100, 20000, (row.n if row.kind == "pp" else 0,), generator=g).tolist()
                 for e in engines:
-                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoRowsAttention, HanzoFixedThreads, HanzoMatvec256, HanzoNoRepack, HanzoApartQKV)) else None
+                    s0 = hcpu.thread_stats() if isinstance(e, (Hanzo, HanzoGemmAttention, HanzoRowsAttention, HanzoFixedThreads, HanzoSwitchedOff, HanzoApartQKV)) else None
                     v = e.measure(row, ctx, ids)
                     if s0 is not None:
                         s1 = hcpu.thread_stats()
