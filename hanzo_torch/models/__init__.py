@@ -70,7 +70,7 @@ def load(
             weights stay zero-copy views of the file mapping (page-cache pages; memory shared with
             other processes mapping the file, llama.cpp's default). False: they are copied at load
             into one private anonymous mapping advised for 2 MiB transparent huge pages, which a
-            decode step streams faster (Zen 4, 2 threads: tg128 1.02-1.11x over three runs,
+            decode step streams faster (Zen 4, 2 threads: tg128 1.02-1.11x over five runs,
             ``benchmarks/RESULTS.md``); costs a read of the whole file at load. None
             (default): False where the kernel offers transparent huge pages (``always`` or
             ``madvise``) and the weights take at most half of ``MemAvailable``, else True
