@@ -650,15 +650,17 @@ class GGUFFile:
             return False
         return True
 
+    def _map_address(self) -> Optional[int]:
+        """Address of the mapping's first byte; None when closed or empty."""
+        mm = self._mmap
+        return None if mm is None or len(mm) == 0 else np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
+
     def maps(self, t: torch.Tensor) -> bool:
         """Whether CPU tensor ``t``'s first byte lies inside this file's memory mapping (a
         zero-copy view such as :meth:`packed` returns, not a copy). False once the file is closed
         or for an empty mapping."""
-        mm = self._mmap
-        if mm is None or len(mm) == 0 or t.device.type != "cpu":
-            return False
-        base = np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
-        return base <= t.data_ptr() < base + len(mm)
+        base = self._map_address()
+        return base is not None and t.device.type == "cpu" and base <= t.data_ptr() < base + len(self._mmap)
 
     def advise(self, views, *, willneed: bool = False, release: bool = False) -> None:
         """Page advice for the byte ranges of ``views`` (tensors or GGUFTensors, views of this
@@ -667,10 +669,9 @@ class GGUFFile:
         process's mapping (``MADV_DONTNEED``: for ranges copied out; the page cache keeps them and a
         later touch maps them again). Advisory: a no-op where ``madvise`` is missing or the file is
         closed, never raises for an advisory failure."""
-        mm = self._mmap
-        if mm is None or len(mm) == 0 or not hasattr(mm, "madvise"):
+        mm, base = self._mmap, self._map_address()
+        if base is None or not hasattr(mm, "madvise"):
             return
-        base = np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
         page, size = mmap.PAGESIZE, len(mm)
         todo = ([(getattr(mmap, "MADV_WILLNEED", None), False)] if willneed else []) + \
                ([(getattr(mmap, "MADV_DONTNEED", None), True)] if release else [])
