@@ -248,24 +248,28 @@ def _flag_env(name: str) -> bool:
     return value
 
 
-def _adaptive_env() -> bool:
-    """``HANZO_CPU_ADAPTIVE_THREADS``: unset/1/on/true (default) or 0/off/false; ValueError otherwise."""
-    return _flag_env("HANZO_CPU_ADAPTIVE_THREADS")
+# The kernels' on/off switches read from the environment when they load: (variable, extension
+# setter, what stays on when the value is malformed). All default to on.
+_SWITCHES = (
+    ("HANZO_CPU_ADAPTIVE_THREADS", "set_adaptive_threads", "the adaptive thread count"),
+    ("HANZO_CPU_GEMM512", "set_gemm512", "the 512-bit GEMM"),
+    ("HANZO_CPU_REPACK", "set_repack", "the row-interleaved Q4_K / Q6_K GEMM"),
+    ("HANZO_CPU_RANGED_TASKS", "set_ranged_tasks", "the contiguous task ranges"),
+    ("HANZO_CPU_MATVEC512", "set_matvec512", "the 512-bit mat-vec"),
+)
 
 
 def check_environment() -> None:
-    """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or ``HANZO_CPU_ADAPTIVE_THREADS``
-    is neither 0 nor 1 (cheap: no build, no CPU probe).
+    """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or one of the switch
+    variables (``HANZO_CPU_ADAPTIVE_THREADS``, ``_GEMM512``, ``_REPACK``, ``_RANGED_TASKS``,
+    ``_MATVEC512``) is neither 0 nor 1 (cheap: no build, no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
     """
     if _FORCED_ISA and _FORCED_ISA not in _ISA_BY_NAME:
         raise ValueError(f"HANZO_CPU_ISA={_FORCED_ISA!r}: expected one of {', '.join(_ISA_BY_NAME)}")
-    _adaptive_env()
-    _flag_env("HANZO_CPU_GEMM512")
-    _flag_env("HANZO_CPU_MATVEC512")
-    _flag_env("HANZO_CPU_REPACK")
-    _flag_env("HANZO_CPU_RANGED_TASKS")
+    for env, _, _ in _SWITCHES:
+        _flag_env(env)
 
 
 def default_isa() -> int:
@@ -447,31 +451,13 @@ def _configure(ext) -> None:
     qtypes = {f.name: f.type_id for f in FORMATS.values() if f.type_id in ids}
     lacking = [f.name for f in FORMATS.values() if not f.dense and f.name not in qtypes]
     ext.configure(qtypes, lacking, int(default_isa()), int(MV_MAX_ROWS))
-    try:
-        ext.set_adaptive_threads(_adaptive_env())
-    except ValueError as e:  # a typo warns here (check_environment raises it before a model load)
-        warnings.warn(f"hanzo_torch: {e}; the adaptive thread count stays on", RuntimeWarning, stacklevel=2)
-        ext.set_adaptive_threads(True)
-    try:
-        ext.set_gemm512(_flag_env("HANZO_CPU_GEMM512"))
-    except ValueError as e:
-        warnings.warn(f"hanzo_torch: {e}; the 512-bit GEMM stays on", RuntimeWarning, stacklevel=2)
-        ext.set_gemm512(True)
-    try:
-        ext.set_repack(_flag_env("HANZO_CPU_REPACK"))
-    except ValueError as e:
-        warnings.warn(f"hanzo_torch: {e}; the row-interleaved Q4_K / Q6_K GEMM stays on", RuntimeWarning, stacklevel=2)
-        ext.set_repack(True)
-    try:
-        ext.set_ranged_tasks(_flag_env("HANZO_CPU_RANGED_TASKS"))
-    except ValueError as e:
-        warnings.warn(f"hanzo_torch: {e}; the contiguous task ranges stay on", RuntimeWarning, stacklevel=2)
-        ext.set_ranged_tasks(True)
-    try:
-        ext.set_matvec512(_flag_env("HANZO_CPU_MATVEC512"))
-    except ValueError as e:
-        warnings.warn(f"hanzo_torch: {e}; the 512-bit mat-vec stays on", RuntimeWarning, stacklevel=2)
-        ext.set_matvec512(True)
+    for env, setter, what in _SWITCHES:
+        try:
+            on = _flag_env(env)
+        except ValueError as e:  # a typo warns here (check_environment raises it before a model load)
+            warnings.warn(f"hanzo_torch: {e}; {what} stays on", RuntimeWarning, stacklevel=2)
+            on = True
+        getattr(ext, setter)(on)
 
 
 def formats() -> tuple[str, ...]:
