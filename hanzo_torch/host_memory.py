@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["thp_mode", "huge_page_bytes", "mem_available", "check_mmap_arg", "resolve_mmap", "copy_packed"]
+__all__ = ["thp_mode", "huge_page_bytes", "mem_available", "check_mmap_arg", "resolve_mmap", "copy_packed", "empty_packed"]
 
 _THP = "/sys/kernel/mm/transparent_hugepage"
 _PAGE = _mmap.PAGESIZE
@@ -113,6 +113,22 @@ def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def _huge_mapping(total: int):
+    """``(buf, start)``: a private anonymous mapping of ``total`` bytes plus one huge page, advised
+    for huge pages, and the offset of its first huge-page boundary; ``(None, None)`` for 0 bytes or
+    where the platform has no ``MAP_PRIVATE`` (not a Unix)."""
+    if not total or not (hasattr(_mmap, "MAP_PRIVATE") and hasattr(_mmap, "MAP_ANONYMOUS")):
+        return None, None
+    huge = huge_page_bytes()
+    buf = _mmap.mmap(-1, total + huge, flags=_mmap.MAP_PRIVATE | _mmap.MAP_ANONYMOUS)
+    if hasattr(buf, "madvise") and hasattr(_mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(_mmap.MADV_HUGEPAGE)  # before the first touch, so faults can take huge pages
+        except OSError:  # a kernel built without transparent huge pages
+            pass
+    return buf, (-torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()) % huge
+
+
 def copy_packed(tensors: Sequence[torch.Tensor],
                 done: Optional[Callable[[torch.Tensor], None]] = None) -> list[torch.Tensor]:
     """Copies of uint8 CPU ``tensors`` (same shapes and bytes), laid out one after another in one
@@ -130,18 +146,7 @@ def copy_packed(tensors: Sequence[torch.Tensor],
         if t.dtype != torch.uint8 or t.device.type != "cpu":
             raise ValueError(f"copy_packed: need uint8 CPU tensors, got {t.dtype} on {t.device}")
     sizes = [t.numel() for t in tensors]
-    total = sum(_round_up(n, _PAGE) for n in sizes)
-    private = hasattr(_mmap, "MAP_PRIVATE") and hasattr(_mmap, "MAP_ANONYMOUS")
-    buf = start = None
-    if total and private:
-        huge = huge_page_bytes()
-        buf = _mmap.mmap(-1, total + huge, flags=_mmap.MAP_PRIVATE | _mmap.MAP_ANONYMOUS)
-        if hasattr(buf, "madvise") and hasattr(_mmap, "MADV_HUGEPAGE"):
-            try:
-                buf.madvise(_mmap.MADV_HUGEPAGE)  # before the first touch, so faults can take huge pages
-            except OSError:  # a kernel built without transparent huge pages
-                pass
-        start = (-torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()) % huge
+    buf, start = _huge_mapping(sum(_round_up(n, _PAGE) for n in sizes))
     out, off = [], 0
     for t, n in zip(tensors, sizes):
         if n == 0:
@@ -155,4 +160,25 @@ def copy_packed(tensors: Sequence[torch.Tensor],
         out.append(c)
         if done is not None:
             done(t)
+    return out
+
+
+def empty_packed(sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Uninitialized 1-D uint8 tensors of ``sizes`` bytes in one new mapping laid out as
+    :func:`copy_packed`'s (huge-page advised, each on a page of its own); plain torch allocations
+    where the platform has no ``MAP_PRIVATE``.
+
+    Raises:
+        ValueError: a negative size.
+    """
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"empty_packed: sizes must be >= 0, got {list(sizes)}")
+    buf, start = _huge_mapping(sum(_round_up(n, _PAGE) for n in sizes))
+    out, off = [], 0
+    for n in sizes:
+        if n == 0 or buf is None:
+            out.append(torch.empty(n, dtype=torch.uint8))
+        else:
+            out.append(torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=start + off))
+            off += _round_up(n, _PAGE)
     return out

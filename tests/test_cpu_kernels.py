@@ -420,6 +420,7 @@ def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
     ("HANZO_CPU_MATVEC512", "matvec512", "set_matvec512"),
     ("HANZO_CPU_REPACK", "repack", "set_repack"),
     ("HANZO_CPU_RANGED_TASKS", "ranged_tasks", "set_ranged_tasks"),
+    ("HANZO_CPU_PANELS", "panels", "set_panels"),
 ])
 def test_switch_environment_variables(ext, monkeypatch, env, getter, setter):
     """Each A/B switch of the kernels: read when they load (0 off; 1 or empty on), a malformed

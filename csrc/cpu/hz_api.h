@@ -24,6 +24,12 @@ struct HzAct {
 // y[m*ldy + n] = sum_k x[m,k] * W[n,k] for n in [n0, n1), m in [0, M).
 typedef void (*hz_matmul_fn)(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t n1,
                              const HzAct* a, int64_t M, float* y, int64_t ldy);
+// Weights stored as row-interleaved panels (kernels_panels.h): rows [n0, n1) of the panels P of a
+// weight of K values per row, y[m*ldy + n - n0] for m in [0, M).
+typedef void (*hz_panel_fn)(const uint8_t* P, int64_t K, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
+                            float* y, int64_t ldy);
+// Bytes of one Q4_K panel block: 8 rows x 256 values (layout in kernels_panels.h).
+#define HZ_Q4K_PANEL_BYTES 1184
 // One packed row of K values -> float32.
 typedef void (*hz_dequant_fn)(const uint8_t* row, int64_t K, float* out);
 // Rows [0, M) of x (f32, row stride K) -> int8 activation blocks of qa values.
@@ -36,6 +42,7 @@ struct HzFormatKernels {
     hz_dequant_fn dequant_row;
     int gemm_nr;          // weight rows per GEMM register tile (thread chunks are multiples of it)
     int table;            // HzTableSlot the format reads (hz_tables), -1 if none
+    hz_panel_fn matvec_panels;  // small M over the format's panels; null: the format has none here
 };
 struct HzIsa {
     const char* name;

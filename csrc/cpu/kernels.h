@@ -419,6 +419,7 @@ static const __m256i* hz_ones16() { static const int16_t o[16] __attribute__((al
 
 #include "kernels_matvec.h"
 #include "kernels_gemm.h"
+#include "kernels_panels.h"
 
 static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8_t* q, float* d, int16_t* s, float* sf) {
     const __m256 signbit = _mm256_set1_ps(-0.f);
@@ -456,11 +457,13 @@ static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8
 #endif  // HZ_ISA >= 1
 
 // ------------------------------------------------------------------------------ tables
+template <class T> struct PanelsOf { static constexpr hz_panel_fn fn = nullptr; };
 #if HZ_ISA >= 1
-#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matvec_simd<T>, &gemm_simd<T>, &dequant_row<T>, HZ_GEMM_NR, TableOf<T>::value},
+template <> struct PanelsOf<FQ4_K> { static constexpr hz_panel_fn fn = &matvec_panels_q4k; };
+#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matvec_simd<T>, &gemm_simd<T>, &dequant_row<T>, HZ_GEMM_NR, TableOf<T>::value, PanelsOf<T>::fn},
 #define HZ_QUANT quantize_simd
 #else
-#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matmul_scalar<T>, &matmul_scalar<T>, &dequant_row<T>, 1, TableOf<T>::value},
+#define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matmul_scalar<T>, &matmul_scalar<T>, &dequant_row<T>, 1, TableOf<T>::value, nullptr},
 #define HZ_QUANT quantize_scalar
 #endif
 static const HzFormatKernels hz_format_table[] = {HZ_FOR_EACH_FORMAT(HZ_ENTRY)};

@@ -122,6 +122,98 @@ QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
     return r;
 }
 
+// Row-interleaved panels of packed weights (kernels_panels.h), built at load (pack_panels) and
+// registered by the address of the weight's rows. An entry serves an op's weight only while it is the
+// same tensor data: same address and shape, its storage alive (a weak reference, so a freed weight's
+// address reused by another tensor never matches) and its version counter unchanged since the panels
+// were built (an in-place write to the rows, e.g. a GGUFTensor copy_, retires the panels: the rows run).
+// hz_use_panels = 0 (set_panels / HANZO_CPU_PANELS=0) runs the rows, for A/B runs.
+std::atomic<int> hz_use_panels{1};
+
+struct PanelEntry {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    int64_t N, rb, version, type_id;
+    torch::Tensor panels;
+};
+std::mutex g_panels_mu;
+std::unordered_map<const void*, PanelEntry> g_panels;
+
+// Bytes of the panels of an [N, rb] weight of type type_id, or -1 when the format has no panel layout or
+// N is not a whole number of 8-row groups.
+int64_t panel_bytes(int64_t type_id, int64_t N, int64_t rb) {
+    if (type_id != block_q4_K::type_id || N <= 0 || N % 8 != 0 || rb <= 0 || rb % (int64_t)sizeof(block_q4_K) != 0) return -1;
+    return N / 8 * (rb / (int64_t)sizeof(block_q4_K)) * HZ_Q4K_PANEL_BYTES;
+}
+
+// Q4_K rows [N, rb] -> panels (layout in kernels_panels.h), groups [g0, g1) of 8 rows.
+void pack_q4k_groups(const uint8_t* W, int64_t rb, int64_t g0, int64_t g1, uint8_t* P) {
+    const int64_t nb = rb / (int64_t)sizeof(block_q4_K);
+    for (int64_t g = g0; g < g1; ++g)
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* pb = P + (g * nb + b) * HZ_Q4K_PANEL_BYTES;
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t* blk = W + (g * 8 + r) * rb + b * (int64_t)sizeof(block_q4_K);
+                const uint8_t* qs = blk + offsetof(block_q4_K, qs);
+                const uint8_t* q = blk + offsetof(block_q4_K, scales);
+                for (int j = 0; j < 4; ++j)
+                    for (int k = 0; k < 8; ++k)
+                        memcpy(pb + 256 * j + 32 * k + 4 * r, qs + 32 * j + 4 * k, 4);
+                for (int s = 0; s < 8; ++s) {  // ggml's get_scale_min_k4
+                    const uint8_t sc = s < 4 ? (q[s] & 63) : ((q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4));
+                    const uint8_t mn = s < 4 ? (q[s + 4] & 63) : ((q[s + 4] >> 4) | ((q[s] >> 6) << 4));
+                    pb[1024 + 8 * s + r] = sc;
+                    pb[1088 + 16 * (s / 2) + 2 * r + (s & 1)] = mn;
+                }
+                memcpy(pb + 1152 + 2 * r, blk + offsetof(block_q4_K, d), 2);
+                memcpy(pb + 1168 + 2 * r, blk + offsetof(block_q4_K, dmin), 2);
+            }
+        }
+}
+
+// Fills out (uint8, panel_bytes(type_id, N, rb) bytes) with the panels of w (uint8 [N, rb]), in parallel.
+void pack_panels(const torch::Tensor& w, int64_t type_id, torch::Tensor out) {
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
+                "pack_panels: w must be a contiguous 2-D uint8 CPU tensor");
+    const int64_t N = w.size(0), rb = w.size(1), nbytes = panel_bytes(type_id, N, rb);
+    TORCH_CHECK(nbytes >= 0, "pack_panels: no panel layout for ggml type ", type_id, " with ", N, " rows of ", rb, " bytes");
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == torch::kUInt8 && out.is_contiguous() && out.numel() == nbytes,
+                "pack_panels: out must be a contiguous uint8 CPU tensor of ", nbytes, " bytes");
+    const uint8_t* W = w.data_ptr<uint8_t>();
+    uint8_t* P = out.data_ptr<uint8_t>();
+    at::parallel_for(0, N / 8, 64, [&](int64_t g0, int64_t g1) { pack_q4k_groups(W, rb, g0, g1, P); });
+}
+
+// Registers out as the panels of w (pack_panels' arguments, already filled); entries whose storage
+// died are dropped here.
+void set_panels_of(const torch::Tensor& w, int64_t type_id, const torch::Tensor& panels) {
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
+                !w.is_inference(), "set_panels_of: w must be a contiguous 2-D uint8 CPU tensor made outside inference mode");
+    TORCH_CHECK(panels.numel() == panel_bytes(type_id, w.size(0), w.size(1)) && panels.is_contiguous() &&
+                panels.scalar_type() == torch::kUInt8, "set_panels_of: panels of the wrong size or type");
+    std::lock_guard<std::mutex> lock(g_panels_mu);
+    for (auto it = g_panels.begin(); it != g_panels.end();) it = it->second.storage.expired() ? g_panels.erase(it) : ++it;
+    g_panels.erase(w.data_ptr());
+    g_panels.emplace(w.data_ptr(), PanelEntry{w.storage().getWeakStorageImpl(), w.size(0), w.size(1), w._version(), type_id, panels});
+}
+
+void drop_panels_of(const torch::Tensor& w) {
+    std::lock_guard<std::mutex> lock(g_panels_mu);
+    g_panels.erase(w.data_ptr());
+}
+
+// The panels registered for w (contiguous) in format type_id, or null.
+const uint8_t* panels_for(const torch::Tensor& w, int64_t type_id) {
+    if (!hz_use_panels.load(std::memory_order_relaxed) || w.is_inference()) return nullptr;
+    std::lock_guard<std::mutex> lock(g_panels_mu);
+    if (g_panels.empty()) return nullptr;
+    auto it = g_panels.find(w.data_ptr());
+    if (it == g_panels.end()) return nullptr;
+    const PanelEntry& e = it->second;
+    if (e.type_id != type_id || e.N != w.size(0) || e.rb != w.size(1) || e.storage.expired() || e.version != w._version())
+        return nullptr;
+    return e.panels.data_ptr<uint8_t>();
+}
+
 // Tasks 0..n-1 on nth threads, each thread taking its own contiguous range first, then the others'
 // from their back (hz_run_tasks): on a loaded machine a descheduled thread delays only its current
 // task; the adaptive controller may run them serially (threading.h).
@@ -146,6 +238,7 @@ struct RowSplit {
         nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles));
         chunk = task_rows(rb, mv, gemm_nr) / tile;
         chunk = std::max<int64_t>(1, std::min<int64_t>(chunk, ntiles / ((mv ? hz_mv_min_chunks : 4) * nth)));
+        if (mv && chunk > 8) chunk -= chunk % 8;  // whole 8-row groups of panels (kernels_panels.h)
         serial = nth == 1 || ntiles * rb * tile < 65536;
     }
     // body(n0, n1) over row ranges of at most chunk * tile rows, N rows in all.
@@ -162,8 +255,14 @@ struct RowSplit {
 };
 
 void run_matmul(const HzFormatKernels& fk, const uint8_t* W, int64_t rb, int64_t N, const HzAct& a, int64_t M,
-                float* y, int64_t ldy, int64_t mv_max) {
+                float* y, int64_t ldy, int64_t mv_max, const uint8_t* panels = nullptr) {
     const bool mv = M <= mv_max;
+    if (mv && panels && fk.matvec_panels) {
+        const RowSplit split(N, rb, true, fk.gemm_nr);
+        auto body = [&](int64_t n0, int64_t n1) { fk.matvec_panels(panels, a.K, n0, n1, &a, M, y + n0, ldy); };
+        if (split.serial) body(0, N); else split.run(N, body);
+        return;
+    }
     hz_matmul_fn fn = mv ? fk.matvec : fk.gemm;
     const RowSplit split(N, rb, mv, fk.gemm_nr);
     if (split.serial) {
@@ -202,7 +301,8 @@ torch::Tensor mul_mat(torch::Tensor x, torch::Tensor w, int64_t type_id, int64_t
     if (M == 0 || N == 0) return y;
     if (K == 0) return y.zero_();
     QuantAct qa = quantize_act(isa, xf, fk.qk);
-    run_matmul(fk, w.data_ptr<uint8_t>(), rb, N, qa.view, M, y.data_ptr<float>(), N, mv_max);
+    run_matmul(fk, w.data_ptr<uint8_t>(), rb, N, qa.view, M, y.data_ptr<float>(), N, mv_max,
+               fk.matvec_panels && M <= mv_max ? panels_for(w, type_id) : nullptr);
     return y;
 }
 
@@ -246,14 +346,18 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
     const int64_t cols = std::min(F, split.chunk * split.tile);  // rows of one task at most
     const uint8_t* pg = wg.data_ptr<uint8_t>();
     const uint8_t* pu = wu.data_ptr<uint8_t>();
+    const uint8_t* pgp = mv && fg.matvec_panels ? panels_for(wg, tg) : nullptr;
+    const uint8_t* pup = mv && fu.matvec_panels ? panels_for(wu, tu) : nullptr;
     float* yp = y.data_ptr<float>();
     split.run(F, [&](int64_t n0, int64_t n1) {
         thread_local std::vector<float> gbuf, ubuf;  // this task's projections, [M, n1 - n0]
         gbuf.resize(M * cols);
         ubuf.resize(M * cols);
         const int64_t w = n1 - n0;
-        fng(pg + n0 * rbg, rbg, 0, w, &qg.view, M, gbuf.data(), w);
-        fnu(pu + n0 * rbu, rbu, 0, w, &au, M, ubuf.data(), w);
+        if (pgp) fg.matvec_panels(pgp, K, n0, n1, &qg.view, M, gbuf.data(), w);
+        else fng(pg + n0 * rbg, rbg, 0, w, &qg.view, M, gbuf.data(), w);
+        if (pup) fu.matvec_panels(pup, K, n0, n1, &au, M, ubuf.data(), w);
+        else fnu(pu + n0 * rbu, rbu, 0, w, &au, M, ubuf.data(), w);
         for (int64_t m = 0; m < M; ++m)
             for (int64_t j = 0; j < w; ++j) {
                 float a = gbuf[m * w + j], u = ubuf[m * w + j];
@@ -337,14 +441,22 @@ std::vector<torch::Tensor> mul_mat_group(torch::Tensor x, std::vector<torch::Ten
     const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(hz_mv_chunk_bytes, total / (hz_mv_min_chunks * nth)));
     struct Task { int64_t w, n0, n1; };
     std::vector<Task> tasks;
+    std::vector<const uint8_t*> panels(G, nullptr);
     for (int64_t i = 0; i < G; ++i) {
-        const int64_t N = ws[i].size(0), rows = std::max<int64_t>(1, chunk / std::max<int64_t>(1, ws[i].size(1)));
+        const int64_t N = ws[i].size(0);
+        int64_t rows = std::max<int64_t>(1, chunk / std::max<int64_t>(1, ws[i].size(1)));
+        if (rows > 8) rows -= rows % 8;  // whole 8-row groups of panels (kernels_panels.h)
         for (int64_t n0 = 0; n0 < N; n0 += rows) tasks.push_back({i, n0, std::min(N, n0 + rows)});
+        if (fk[i]->matvec_panels) panels[i] = panels_for(ws[i], tids[i]);
     }
     auto task = [&](int64_t t) {
         const Task& k = tasks[t];
-        fk[k.w]->matvec(ws[k.w].data_ptr<uint8_t>(), ws[k.w].size(1), k.n0, k.n1, &qa[qa_of[k.w]].view, M,
-                        ys[k.w].data_ptr<float>(), ws[k.w].size(0));
+        if (panels[k.w])
+            fk[k.w]->matvec_panels(panels[k.w], K, k.n0, k.n1, &qa[qa_of[k.w]].view, M,
+                                   ys[k.w].data_ptr<float>() + k.n0, ws[k.w].size(0));
+        else
+            fk[k.w]->matvec(ws[k.w].data_ptr<uint8_t>(), ws[k.w].size(1), k.n0, k.n1, &qa[qa_of[k.w]].view, M,
+                            ys[k.w].data_ptr<float>(), ws[k.w].size(0));
         add_bias(k.w, k.n0, k.n1);
     };
     if (nth == 1 || total < 65536) {
@@ -956,6 +1068,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemm512", []() { return hz_gemm512 != 0; }, "whether the AVX-512 level's GEMM uses its 512-bit kernels");
     m.def("set_matvec512", [](bool on) { hz_matvec512 = on ? 1 : 0; }, "AVX-512 level: 512-bit Q4_K/Q6_K mat-vec rows (true) or the 256-bit ones");
     m.def("matvec512", []() { return hz_matvec512 != 0; }, "whether the AVX-512 level's Q4_K/Q6_K mat-vec uses its 512-bit rows");
+    m.def("panel_bytes", &panel_bytes, "bytes of the row-interleaved panels of an [N, rb] weight of a ggml type (-1: none)");
+    m.def("pack_panels", &pack_panels, "fill out with the row-interleaved panels of w [N, rb] (uint8)");
+    m.def("set_panels_of", &set_panels_of, "register filled panels for the mat-vec of weight w");
+    m.def("drop_panels_of", &drop_panels_of, "forget the panels registered for weight w");
+    m.def("panels_of", [](const torch::Tensor& w, int64_t type_id) { return panels_for(w.contiguous(), type_id) != nullptr; },
+          "whether the mat-vec of w would read registered panels now");
+    m.def("format_has_panels", [](int64_t type_id, int64_t isa_level) {
+              const HzIsa* isa = isa_table(isa_level);
+              for (int i = 0; i < isa->n_formats; ++i)
+                  if (isa->formats[i].type_id == type_id) return isa->formats[i].matvec_panels != nullptr;
+              return false;
+          }, "whether ISA level l has a panel mat-vec for the ggml type");
+    m.def("set_panels", [](bool on) { hz_use_panels.store(on ? 1 : 0); }, "mat-vec over registered panels (true) or the rows");
+    m.def("panels", []() { return hz_use_panels.load() != 0; }, "whether the mat-vec reads registered panels");
     m.def("set_prefetch_bytes", [](int64_t b) { hz_prefetch_bytes = b; }, "mat-vec software prefetch distance (bytes)");
     m.def("set_matvec_chunk_bytes", [](int64_t bytes, int64_t min_per_thread) { hz_mv_chunk_bytes = std::max<int64_t>(1, bytes); hz_mv_min_chunks = std::max<int64_t>(1, min_per_thread); },
           "mat-vec task size of the dynamic row split: bytes of weights per task, minimum tasks per thread (benchmark knob)",

@@ -71,7 +71,10 @@ def load(
             other processes mapping the file, llama.cpp's default). False: they are copied at load
             into one private anonymous mapping advised for 2 MiB transparent huge pages, which a
             decode step streams faster (Zen 4, 2 threads: tg128 1.02-1.11x over five runs,
-            ``benchmarks/RESULTS.md``); costs a read of the whole file at load. None
+            ``benchmarks/RESULTS.md``); costs a read of the whole file at load. With the copy, the
+            Q4_K weights also get row-interleaved panels for the CPU's decode mat-vec
+            (:func:`hanzo_torch.backends.cpu.attach_panels`: about 1.03x their bytes more memory,
+            built in parallel at load; ``HANZO_CPU_PANELS=0`` builds none). None
             (default): False where the kernel offers transparent huge pages (``always`` or
             ``madvise``) and the weights take at most half of ``MemAvailable``, else True
             (:func:`hanzo_torch.host_memory.resolve_mmap`).
@@ -187,6 +190,7 @@ def _host_weights(model: nn.Module, mmap: Optional[bool], f, ranks_here: int = 1
     host making the same choice (tensor parallel), which share its memory. Returns whether the
     weights stay mapped."""
     from .. import host_memory
+    from ..backends import cpu
     from ..tensor import GGUFTensor
 
     owners = {}  # id(weight) -> (weight, [(module, name), ...])
@@ -195,15 +199,22 @@ def _host_weights(model: nn.Module, mmap: Optional[bool], f, ranks_here: int = 1
             if isinstance(p, GGUFTensor) and f.maps(p.packed):
                 owners.setdefault(id(p), (p, []))[1].append((module, name))
     weights = [w for w, _ in owners.values()]
-    nbytes = sum(w.packed.numel() for w in weights)
+    on_cpu = all(w.packed.device.type == "cpu" for w in weights)
+    # the CPU mat-vec's row-interleaved panels, built beside the copies (backends.cpu.attach_panels)
+    panels = sum(cpu.panel_bytes(w.qtype, tuple(w.packed.shape)) for w in weights) if on_cpu else 0
+    nbytes = sum(w.packed.numel() for w in weights) + panels
     if not weights or host_memory.resolve_mmap(mmap, nbytes * max(1, ranks_here), where=f"load({f.path!r})"):
         return True
     f.advise(weights, willneed=True)  # read-ahead of a cold file instead of one fault per page
     copies = host_memory.copy_packed([w.packed for w in weights], done=lambda src: f.advise([src], release=True))
+    copied = []
     for (w, places), packed in zip(owners.values(), copies):
         new = nn.Parameter(w._with(packed=packed), requires_grad=False)
+        copied.append(new)
         for module, name in places:
             module._parameters[name] = new
+    if panels:
+        cpu.attach_panels(copied)
     return False
 
 

@@ -74,7 +74,8 @@ from ..base import Backend, ComputeDefaults
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "mul_mat_group", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
-           "set_matvec512", "matvec512", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks"]
+           "set_matvec512", "matvec512", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks",
+           "set_panels", "panels", "panel_bytes", "attach_panels"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
@@ -91,7 +92,7 @@ _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
 _SOURCES = ("ops.cpp", "threading.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_sim.cpp",
             "fused.cpp")
-_HEADERS = ("hz_api.h", "ggml_blocks.h", "format_list.h", "formats.h", "kernels.h", "kernels_matvec.h",
+_HEADERS = ("hz_api.h", "ggml_blocks.h", "format_list.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_panels.h",
             "kernels_gemm.h", "kernels_gemm512.h", "threading.h", "hz_ops.h", "../common/format_lookup.h",
             "../common/hz_constants.h")
 
@@ -256,13 +257,14 @@ _SWITCHES = (
     ("HANZO_CPU_REPACK", "set_repack", "the row-interleaved Q4_K / Q6_K GEMM"),
     ("HANZO_CPU_RANGED_TASKS", "set_ranged_tasks", "the contiguous task ranges"),
     ("HANZO_CPU_MATVEC512", "set_matvec512", "the 512-bit mat-vec"),
+    ("HANZO_CPU_PANELS", "set_panels", "the mat-vec over row-interleaved panels"),
 )
 
 
 def check_environment() -> None:
     """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or one of the switch
     variables (``HANZO_CPU_ADAPTIVE_THREADS``, ``_GEMM512``, ``_REPACK``, ``_RANGED_TASKS``,
-    ``_MATVEC512``) is neither 0 nor 1 (cheap: no build, no CPU probe).
+    ``_MATVEC512``, ``_PANELS``) is neither 0 nor 1 (cheap: no build, no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
     """
@@ -586,6 +588,70 @@ def set_matvec512(enabled: bool) -> None:
 def matvec512() -> bool:
     """Whether the ``avx512`` level's Q4_K/Q6_K mat-vec uses its 512-bit rows (:func:`set_matvec512`)."""
     return bool(_ext_or_raise().matvec512())
+
+
+def set_panels(enabled: bool) -> None:
+    """Run the mat-vec (decode, at most :data:`MV_MAX_ROWS` activation rows) of weights that have
+    row-interleaved panels (:func:`attach_panels`) on those panels (True, the default) or on the
+    packed rows (False), for A/B runs. The panels give the bits of the interleaved prefill GEMM
+    (:func:`set_repack`); the rows differ from them in float32 summation order only.
+    ``HANZO_CPU_PANELS=0`` (read when the kernels load) sets False, and :func:`hanzo_torch.load`
+    then builds no panels.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_panels(bool(enabled))
+
+
+def panels() -> bool:
+    """Whether the mat-vec reads registered panels (:func:`set_panels`)."""
+    return bool(_ext_or_raise().panels())
+
+
+def panel_bytes(qtype: str, shape) -> int:
+    """Bytes of the row-interleaved panels of a packed weight of ggml type ``qtype`` and packed
+    shape ``[N, row_bytes]``, or 0 when there are none for it: Q4_K with N a multiple of 8 (layout
+    in csrc/cpu/kernels_panels.h: 1184 bytes per 8 rows and 256 values, 2.8% above the rows), on
+    the ``avx2`` and ``avx512`` levels, with :func:`set_panels` on; 0 without the extension."""
+    ext = extension()
+    if (ext is None or qtype not in _REGISTRY or len(shape) != 2 or not ext.panels()
+            or not ext.format_has_panels(_type_id(qtype), int(default_isa()))):
+        return 0
+    return max(0, int(ext.panel_bytes(_type_id(qtype), int(shape[0]), int(shape[1]))))
+
+
+def attach_panels(weights) -> int:
+    """Build row-interleaved panels of the packed ``weights`` (:class:`~hanzo_torch.GGUFTensor`
+    of a CPU model) that have a panel layout (:func:`panel_bytes`), in one new mapping advised for
+    huge pages (:func:`hanzo_torch.host_memory.empty_packed`), and register them with the kernels:
+    from then on ``hanzo::mul_mat``, ``swiglu_mul_mat`` and ``mul_mat_group`` of up to
+    :data:`MV_MAX_ROWS` activation rows read them instead of the rows. The rows stay as they are (the
+    GEMM, ``get_rows``, saving and other devices read them). A registration serves only the same
+    data: it lapses when the weight's storage is freed or its rows are written in place (its
+    version counter), and the panels are forgotten when the weight object is collected.
+
+    Returns the bytes of panels built (0 when none applies or the extension is unavailable).
+    """
+    import weakref
+
+    from ... import host_memory
+
+    ext = extension()
+    if ext is None:
+        return 0
+    todo = []
+    for w in weights:
+        n = panel_bytes(w.qtype, tuple(w.packed.shape)) if w.packed.device.type == "cpu" and w.packed.is_contiguous() else 0
+        if n and not w.packed.is_inference():
+            todo.append((w, n))
+    bufs = host_memory.empty_packed([n for _, n in todo])
+    for (w, _), buf in zip(todo, bufs):
+        tid = _type_id(w.qtype)
+        ext.pack_panels(w.packed, tid, buf)
+        ext.set_panels_of(w.packed, tid, buf)
+        weakref.finalize(w, ext.drop_panels_of, w.packed)
+    return sum(n for _, n in todo)
 
 
 def set_ranged_tasks(enabled: bool) -> None:

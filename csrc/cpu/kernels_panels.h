@@ -1,0 +1,127 @@
+// Mat-vec over weights stored as row-interleaved panels (HzPanelLayout in hz_api.h), built once at
+// load. Included by kernels.h inside namespace hz_<isa>, SIMD path only (HZ_ISA >= 1).
+//
+// Q4_K panels ("Q4_K x 8"): 8 consecutive weight rows per group; per group and 256-value block
+// HZ_Q4K_PANEL_BYTES (1184) bytes, the blocks of a group one after another, the groups in row order:
+//   [0, 1024)     qs: for nibble byte pair j (0..3) and 4-byte group g (0..7), 32 bytes whose
+//                 32-bit lane r is bytes 32j + 4g .. 32j + 4g + 3 of row r's qs (low nibbles:
+//                 sub-block 2j, high nibbles: sub-block 2j + 1)
+//   [1024, 1088)  the 6-bit scales, decoded: byte 8s + r = scale of sub-block s of row r
+//   [1088, 1152)  the 6-bit mins, decoded: byte 16q + 2r + e = min of sub-block 2q + e of row r
+//   [1152, 1168)  d of rows 0..7 (fp16), [1168, 1184) dmin of rows 0..7 (fp16)
+// (1184 bytes against the 8 x 144 of the rows: +2.8%.) One 256-bit load then feeds 8 rows: the
+// activation's 4 bytes are broadcast once per load and the accumulator's lanes are output rows,
+// so the scales, mins and float fix-up run once per 8 rows and no horizontal sum is needed.
+// The integers and the float steps are gemm_il_q4k's (kernels_gemm.h), which repacks the rows to
+// the same lanes per call, including its K panels of hz_gemm_kc values: a row's result is the same
+// bits as that GEMM gives it.
+
+template <int MR>
+static void panels_q4k_tile(const uint8_t* P, int64_t K, int64_t n0, int64_t n1, const HzAct* a, int64_t m0,
+                            float* y, int64_t ldy) {
+    const int64_t nb = K / 256, gstride = nb * HZ_Q4K_PANEL_BYTES;
+    const int64_t KB = hz_min<int64_t>(nb, hz_gemm_kc / 256 > 0 ? hz_gemm_kc / 256 : 1);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i ones = _mm256_load_si256(hz_ones16());
+    const int8_t* xq[MR]; const float* xd[MR]; const int16_t* xs[MR];
+    for (int m = 0; m < MR; ++m) {
+        xq[m] = a->q + (m0 + m) * K; xd[m] = a->d + (m0 + m) * nb; xs[m] = a->s + (m0 + m) * (K / 16);
+    }
+    for (int64_t grp = n0 / 8; grp * 8 < n1; ++grp) {
+        const uint8_t* pg = P + grp * gstride;
+        for (int64_t kp = 0; kp < nb; kp += KB) {
+            const int64_t ke = hz_min<int64_t>(nb, kp + KB);
+            __m256 acc[MR];
+            for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+            for (int64_t b = kp; b < ke; ++b) {
+                const uint8_t* pb = pg + b * HZ_Q4K_PANEL_BYTES;
+                if (hz_prefetch_bytes > 0)
+                    for (int off = 0; off < HZ_Q4K_PANEL_BYTES; off += 64)
+                        _mm_prefetch((const char*)(pb + hz_prefetch_bytes + off), _MM_HINT_T0);
+                __m256i is[MR];
+                for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i* wq = (const __m256i*)(pb + 256 * j);
+#if HZ_ISA >= 2
+                    __m256i slo[MR], shi[MR];
+                    for (int m = 0; m < MR; ++m) slo[m] = shi[m] = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; ++g) {
+                        const __m256i w = _mm256_loadu_si256(wq + g);
+                        const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                        for (int m = 0; m < MR; ++m) {
+                            const uint8_t* xb = (const uint8_t*)(xq[m] + b * 256 + 64 * j + 4 * g);
+                            slo[m] = _mm256_dpbusd_epi32(slo[m], lo, _mm256_set1_epi32((int)rd_u32(xb)));
+                            shi[m] = _mm256_dpbusd_epi32(shi[m], hi, _mm256_set1_epi32((int)rd_u32(xb + 32)));
+                        }
+                    }
+                    const __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pb + 1024 + 16 * j)));
+                    const __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pb + 1024 + 16 * j + 8)));
+                    for (int m = 0; m < MR; ++m)
+                        is[m] = _mm256_add_epi32(_mm256_add_epi32(is[m], _mm256_mullo_epi32(slo[m], sl)),
+                                                 _mm256_mullo_epi32(shi[m], sh));
+#else
+                    // int16 sums of the 8 vpmaddubsw per sub-block are exact (|sum| <= 8 * 2 * 15 * 128)
+                    __m256i slo[MR], shi[MR];
+                    for (int m = 0; m < MR; ++m) slo[m] = shi[m] = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; ++g) {
+                        const __m256i w = _mm256_loadu_si256(wq + g);
+                        const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                        for (int m = 0; m < MR; ++m) {
+                            const uint8_t* xb = (const uint8_t*)(xq[m] + b * 256 + 64 * j + 4 * g);
+                            slo[m] = _mm256_add_epi16(slo[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32((int)rd_u32(xb))));
+                            shi[m] = _mm256_add_epi16(shi[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32((int)rd_u32(xb + 32))));
+                            __asm__("" : "+x"(slo[m]), "+x"(shi[m]));  // keep the chains (see gemm_il_q4k)
+                        }
+                    }
+                    __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pb + 1024 + 16 * j)));
+                    __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pb + 1024 + 16 * j + 8)));
+                    sl = _mm256_or_si256(sl, _mm256_slli_epi32(sl, 16));  // the scale in both int16 halves
+                    sh = _mm256_or_si256(sh, _mm256_slli_epi32(sh, 16));
+                    for (int m = 0; m < MR; ++m)
+                        is[m] = _mm256_add_epi32(_mm256_add_epi32(is[m], _mm256_madd_epi16(slo[m], sl)),
+                                                 _mm256_madd_epi16(shi[m], sh));
+#endif
+                }
+                const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(pb + 1152)));
+                const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(pb + 1168)));
+                __m256i mn[4];
+                for (int q = 0; q < 4; ++q) mn[q] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(pb + 1088 + 16 * q)));
+                for (int m = 0; m < MR; ++m) {
+                    // the activation's sums per 32 as int16 pairs (sub-blocks 2q, 2q + 1) in 32-bit word q
+                    const __m256i t = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(xs[m] + b * 16)), ones);
+                    const __m256i pk = _mm256_permute4x64_epi64(_mm256_packs_epi32(t, t), 0x08);
+                    const __m256i xp = _mm256_permute2x128_si256(pk, pk, 0x00);
+                    __m256i ms = _mm256_madd_epi16(mn[0], _mm256_shuffle_epi32(xp, 0x00));
+                    ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn[1], _mm256_shuffle_epi32(xp, 0x55)));
+                    ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn[2], _mm256_shuffle_epi32(xp, 0xaa)));
+                    ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn[3], _mm256_shuffle_epi32(xp, 0xff)));
+                    const __m256 dx = _mm256_broadcast_ss(xd[m] + b);
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), _mm256_mul_ps(d8, dx), acc[m]);
+                    acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dm8, dx), acc[m]);
+                }
+            }
+            const int64_t r0 = n0 > grp * 8 ? n0 - grp * 8 : 0;
+            const int64_t r1 = hz_min<int64_t>(8, n1 - grp * 8);
+            for (int m = 0; m < MR; ++m) {
+                alignas(32) float o[8];
+                _mm256_store_ps(o, acc[m]);
+                float* dst = y + (m0 + m) * ldy + grp * 8 - n0;
+                for (int64_t r = r0; r < r1; ++r) dst[r] = kp == 0 ? o[r] : dst[r] + o[r];
+            }
+        }
+    }
+}
+
+// y[m * ldy + n - n0] for n in [n0, n1) (rows of the panels P of a [N, K] Q4_K weight, N a
+// multiple of 8), m in [0, M). Groups that [n0, n1) covers in part are computed whole and stored in part.
+static void matvec_panels_q4k(const uint8_t* P, int64_t K, int64_t n0, int64_t n1, const HzAct* a, int64_t M,
+                              float* y, int64_t ldy) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4) panels_q4k_tile<4>(P, K, n0, n1, a, m0, y, ldy);
+    switch (M - m0) {
+        case 3: panels_q4k_tile<3>(P, K, n0, n1, a, m0, y, ldy); break;
+        case 2: panels_q4k_tile<2>(P, K, n0, n1, a, m0, y, ldy); break;
+        case 1: panels_q4k_tile<1>(P, K, n0, n1, a, m0, y, ldy); break;
+        default: break;
+    }
+}

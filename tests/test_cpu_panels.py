@@ -1,0 +1,161 @@
+"""Row-interleaved panels of the CPU decode mat-vec (csrc/cpu/kernels_panels.h, backends.cpu.attach_panels).
+
+Gate: on every SIMD level the panel mat-vec is within the tight oracle of tests/test_cpu_kernels.py
+(|y - x_hat @ W^T| <= 1e-5 * |x_hat| @ |W|^T against gguf's dequantization) and gives the bits of
+the row-interleaved GEMM (gemm_il_q4k), K panels included; the task split, the fused ops and the
+registration's lapse rules are checked against the plain mat-vec.
+"""
+import pytest
+import torch
+
+import hanzo_torch
+from hanzo_torch.backends import cpu as hcpu
+from hanzo_torch.tensor import GGUFTensor
+from test_cpu_kernels import act_dequant, assert_tight, gguf_dequant, random_blocks
+
+
+@pytest.fixture(scope="module")
+def ext():
+    e = hcpu.extension()
+    assert e is not None, "the C++ CPU extension failed to build"
+    return e
+
+
+SIMD = [n for n in ("avx2", "avx512", "avx512-sim") if n in hcpu.isa_levels()]
+
+
+def _tid():
+    return hcpu._type_id("Q4_K")
+
+
+def _attach(ext, w):
+    """Panels for packed rows w (uint8 [N, rb]) built and registered; returns the buffer."""
+    n = ext.panel_bytes(_tid(), *w.shape)
+    assert n == w.shape[0] // 8 * (w.shape[1] // 144) * 1184
+    buf = torch.empty(n, dtype=torch.uint8)
+    ext.pack_panels(w, _tid(), buf)
+    ext.set_panels_of(w, _tid(), buf)
+    return buf
+
+
+@pytest.mark.parametrize("isa", SIMD)
+@pytest.mark.parametrize("N, K", [(200, 512), (64, 9 * 256)])  # 9 blocks: K panels of 8 + 1 (kc = 2048)
+@pytest.mark.parametrize("M", [1, 2, 3, 5])
+def test_panels_match_the_oracle_and_the_interleaved_gemm(ext, isa, N, K, M):
+    w = random_blocks("Q4_K", N, K, seed=N + K)
+    buf = _attach(ext, w)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 4
+    try:
+        assert ext.panels_of(w, _tid())
+        y = hcpu.mul_mat(x, w, "Q4_K", isa=isa)
+        assert_tight(y, act_dequant(ext, x, 256), gguf_dequant("Q4_K", w, K), f"panels/{isa}/{N}x{K}/M{M}")
+        # the GEMM of the same rows (16 activation rows: the interleaved path) gives each row the same bits
+        y16 = hcpu.mul_mat(x.repeat(16, 1)[:16], w, "Q4_K", isa=isa)
+        assert torch.equal(y, y16[:M])
+        hcpu.set_panels(False)
+        assert not ext.panels_of(w, _tid())
+        rows = hcpu.mul_mat(x, w, "Q4_K", isa=isa)
+        assert not torch.equal(rows, torch.zeros_like(rows))
+        assert torch.allclose(rows, y, rtol=1e-5, atol=1e-6 * float(y.abs().max()))
+    finally:
+        hcpu.set_panels(True)
+        ext.drop_panels_of(w)
+    assert buf.numel() > 0
+
+
+def test_panels_independent_of_task_split_and_threads(ext):
+    """Tasks of one row (every 8-row group computed in part by several tasks), the default size,
+    1 and 2 threads: the same bits."""
+    K, N = 2 * 256, 704  # > 64 KiB: a parallel split
+    w = random_blocks("Q4_K", N, K, seed=5)
+    _attach(ext, w)
+    x = torch.randn(1, K)
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for chunk in (1, 262144):
+                ext.set_matvec_chunk_bytes(chunk, 1)
+                outs.append(hcpu.mul_mat(x, w, "Q4_K"))
+    finally:
+        ext.set_matvec_chunk_bytes(262144, 4)
+        torch.set_num_threads(old)
+        ext.drop_panels_of(w)
+    assert all(torch.equal(y, outs[0]) for y in outs[1:])
+
+
+@pytest.mark.parametrize("with_panels", [(True, True), (True, False), (False, True)])
+def test_fused_ops_on_panels_equal_mul_mat(ext, with_panels):
+    """swiglu_mul_mat and mul_mat_group read the panels of whichever weights have them, with
+    mul_mat's bits (the composition hanzo::swiglu(mul_mat, mul_mat) and per-weight mul_mat + bias)."""
+    K = 512
+    wg, wu = random_blocks("Q4_K", 96, K, seed=11), random_blocks("Q4_K", 96, K, seed=12)
+    for w, on in zip((wg, wu), with_panels):
+        if on:
+            _attach(ext, w)
+    x = torch.randn(1, K)
+    bias = torch.randn(96)
+    try:
+        with torch.inference_mode():
+            fused = torch.ops.hanzo.swiglu_mul_mat(x, wg, wu, "Q4_K", "Q4_K")
+            g, u = torch.ops.hanzo.mul_mat(x, wg, "Q4_K"), torch.ops.hanzo.mul_mat(x, wu, "Q4_K")
+            assert torch.equal(fused, torch.ops.hanzo.swiglu(g, u))
+            ys = torch.ops.hanzo.mul_mat_group(x, [wg, wu], ["Q4_K", "Q4_K"], [bias, None])
+            assert torch.equal(ys[0], g + bias) and torch.equal(ys[1], u)
+    finally:
+        ext.drop_panels_of(wg)
+        ext.drop_panels_of(wu)
+
+
+def test_registration_lapses_on_write_and_refuses_inference_tensors(ext):
+    K = 256
+    w = random_blocks("Q4_K", 16, K, seed=7)
+    other = random_blocks("Q4_K", 16, K, seed=8)
+    _attach(ext, w)
+    x = torch.randn(1, K)
+    assert ext.panels_of(w, _tid())
+    w.copy_(other)  # the rows change in place: the panels no longer describe them
+    assert not ext.panels_of(w, _tid())
+    y = hcpu.mul_mat(x, w, "Q4_K")
+    assert_tight(y, act_dequant(ext, x, 256), gguf_dequant("Q4_K", other, K), "after write")
+    ext.drop_panels_of(w)
+    with torch.inference_mode():
+        wi = random_blocks("Q4_K", 16, K, seed=9).clone()
+    buf = torch.empty(ext.panel_bytes(_tid(), 16, 144), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="inference mode"):
+        ext.set_panels_of(wi, _tid(), buf)
+    with pytest.raises(RuntimeError, match="no panel layout"):
+        ext.pack_panels(random_blocks("Q4_K", 12, K, seed=1), _tid(), buf)  # 12 rows: not whole groups
+    assert hcpu.panel_bytes("Q4_K", (12, 144)) == 0 and hcpu.panel_bytes("Q6_K", (16, 210)) == 0
+
+
+def test_load_builds_panels_for_copied_q4k_weights(tmp_path):
+    """load(mmap=False) on the CPU: every Q4_K matrix with whole 8-row groups gets panels, the
+    mapped model none; the decode logits of the two agree to the kernels' tolerance and the copy
+    with HANZO_CPU_PANELS off gives the mapped model's bits."""
+    from gguf_builders import tiny_spec, write_tiny_gguf
+
+    path = tmp_path / "q4k.gguf"
+    write_tiny_gguf(path, tiny_spec("qwen2", qtypes={"embd": "Q4_K", "attn": "Q4_K", "ffn": "Q4_K",
+                                                      "ffn_down": "Q4_K"}))
+    copied = hanzo_torch.load(path, max_context=32, mmap=False)
+    mapped = hanzo_torch.load(path, max_context=32, mmap=True)
+    ext = hcpu.extension()
+    weights = [p for p in copied.parameters() if isinstance(p, GGUFTensor)]
+    with_panels = [p for p in weights if ext.panels_of(p.packed, _tid())]
+    assert with_panels and all(p.qtype == "Q4_K" for p in with_panels)
+    assert not any(ext.panels_of(p.packed, _tid()) for p in mapped.parameters() if isinstance(p, GGUFTensor))
+    ids = torch.tensor([[11, 22, 33]])
+    with torch.inference_mode():
+        a, b = copied(ids), mapped(ids)
+        step_a, step_b = copied(torch.tensor([[7]])), mapped(torch.tensor([[7]]))
+        assert torch.allclose(step_a, step_b, rtol=1e-4, atol=1e-4 * float(step_b.abs().max()))
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+        hcpu.set_panels(False)
+        try:
+            copied.reset(), mapped.reset()
+            assert torch.equal(copied(ids), mapped(ids))
+        finally:
+            hcpu.set_panels(True)
