@@ -196,10 +196,12 @@ void set_panels_of(const torch::Tensor& w, int64_t type_id, const torch::Tensor&
     g_panels.emplace(w.data_ptr(), PanelEntry{w.storage().getWeakStorageImpl(), w.size(0), w.size(1), w._version(), type_id, panels});
 }
 
-void drop_panels_of(const torch::Tensor& w) {
+void drop_panels_at(int64_t address) {
     std::lock_guard<std::mutex> lock(g_panels_mu);
-    g_panels.erase(w.data_ptr());
+    g_panels.erase((const void*)(intptr_t)address);
 }
+
+void drop_panels_of(const torch::Tensor& w) { drop_panels_at((int64_t)(intptr_t)w.data_ptr()); }
 
 // The panels registered for w (contiguous) in format type_id, or null.
 const uint8_t* panels_for(const torch::Tensor& w, int64_t type_id) {
@@ -1072,6 +1074,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("pack_panels", &pack_panels, "fill out with the row-interleaved panels of w [N, rb] (uint8)");
     m.def("set_panels_of", &set_panels_of, "register filled panels for the mat-vec of weight w");
     m.def("drop_panels_of", &drop_panels_of, "forget the panels registered for weight w");
+    m.def("drop_panels_at", &drop_panels_at, "forget the panels registered for the weight whose rows start at this address");
     m.def("panels_of", [](const torch::Tensor& w, int64_t type_id) { return panels_for(w.contiguous(), type_id) != nullptr; },
           "whether the mat-vec of w would read registered panels now");
     m.def("format_has_panels", [](int64_t type_id, int64_t isa_level) {

@@ -629,7 +629,7 @@ def attach_panels(weights) -> int:
     :data:`MV_MAX_ROWS` activation rows read them instead of the rows. The rows stay as they are (the
     GEMM, ``get_rows``, saving and other devices read them). A registration serves only the same
     data: it lapses when the weight's storage is freed or its rows are written in place (its
-    version counter), and the panels are forgotten when the weight object is collected.
+    version counter), and the panels are forgotten when the rows tensor is collected.
 
     Returns the bytes of panels built (0 when none applies or the extension is unavailable).
     """
@@ -650,7 +650,8 @@ def attach_panels(weights) -> int:
         tid = _type_id(w.qtype)
         ext.pack_panels(w.packed, tid, buf)
         ext.set_panels_of(w.packed, tid, buf)
-        weakref.finalize(w, ext.drop_panels_of, w.packed)
+        # on the rows tensor, not the parameter: nn.Module._apply swaps parameters, which a weakref forbids
+        weakref.finalize(w.packed, ext.drop_panels_at, w.packed.data_ptr())
     return sum(n for _, n in todo)
 
 
