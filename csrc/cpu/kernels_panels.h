@@ -43,22 +43,27 @@ static void panels_q4k_tile(const uint8_t* P, int64_t K, int64_t n0, int64_t n1,
                 for (int j = 0; j < 4; ++j) {
                     const __m256i* wq = (const __m256i*)(pb + 256 * j);
 #if HZ_ISA >= 2
-                    __m256i slo[MR], shi[MR];
-                    for (int m = 0; m < MR; ++m) slo[m] = shi[m] = _mm256_setzero_si256();
+                    // two accumulators per sub-block (even and odd groups): half the vpdpbusd chain's latency
+                    __m256i slo[2][MR], shi[2][MR];
+                    for (int m = 0; m < MR; ++m) slo[0][m] = shi[0][m] = slo[1][m] = shi[1][m] = _mm256_setzero_si256();
                     for (int g = 0; g < 8; ++g) {
                         const __m256i w = _mm256_loadu_si256(wq + g);
                         const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
                         for (int m = 0; m < MR; ++m) {
                             const uint8_t* xb = (const uint8_t*)(xq[m] + b * 256 + 64 * j + 4 * g);
-                            slo[m] = _mm256_dpbusd_epi32(slo[m], lo, _mm256_set1_epi32((int)rd_u32(xb)));
-                            shi[m] = _mm256_dpbusd_epi32(shi[m], hi, _mm256_set1_epi32((int)rd_u32(xb + 32)));
+                            slo[g & 1][m] = _mm256_dpbusd_epi32(slo[g & 1][m], lo, _mm256_set1_epi32((int)rd_u32(xb)));
+                            shi[g & 1][m] = _mm256_dpbusd_epi32(shi[g & 1][m], hi, _mm256_set1_epi32((int)rd_u32(xb + 32)));
                         }
+                    }
+                    for (int m = 0; m < MR; ++m) {
+                        slo[0][m] = _mm256_add_epi32(slo[0][m], slo[1][m]);
+                        shi[0][m] = _mm256_add_epi32(shi[0][m], shi[1][m]);
                     }
                     const __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pb + 1024 + 16 * j)));
                     const __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pb + 1024 + 16 * j + 8)));
                     for (int m = 0; m < MR; ++m)
-                        is[m] = _mm256_add_epi32(_mm256_add_epi32(is[m], _mm256_mullo_epi32(slo[m], sl)),
-                                                 _mm256_mullo_epi32(shi[m], sh));
+                        is[m] = _mm256_add_epi32(_mm256_add_epi32(is[m], _mm256_mullo_epi32(slo[0][m], sl)),
+                                                 _mm256_mullo_epi32(shi[0][m], sh));
 #else
                     // int16 sums of the 8 vpmaddubsw per sub-block are exact (|sum| <= 8 * 2 * 15 * 128)
                     __m256i slo[MR], shi[MR];
