@@ -351,6 +351,36 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
     const uint8_t* pgp = mv && fg.matvec_panels ? panels_for(wg, tg) : nullptr;
     const uint8_t* pup = mv && fu.matvec_panels ? panels_for(wu, tu) : nullptr;
     float* yp = y.data_ptr<float>();
+    auto epilogue = [&](const float* g, const float* u, int64_t ld, int64_t n0, int64_t w) {
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t j = 0; j < w; ++j) {
+                float a = g[m * ld + j], b = u[m * ld + j];
+                if (round_to == 1) { a = (float)c10::BFloat16(a); b = (float)c10::BFloat16(b); }
+                else if (round_to == 2) { a = (float)c10::Half(a); b = (float)c10::Half(b); }
+                yp[m * F + n0 + j] = a / (1.0f + std::exp(-a)) * b;
+            }
+    };
+    if (pgp && pup && !split.serial) {
+        // Both weights on panels: the tasks are gate's row ranges, then up's, in one region, so each
+        // thread's own range is one contiguous stream (with 2 threads: one weight each); the
+        // epilogue follows in a second region. Interleaving the two weights within a task (gate's
+        // range, then up's) measured 12-16% slower from DRAM on Zen 4 than a stream per thread.
+        torch::Tensor gu = torch::empty({2, M, F}, torch::kFloat32);
+        float* gp = gu.data_ptr<float>();
+        const int64_t rows = split.chunk * split.tile, nt = (F + rows - 1) / rows;
+        run_tasks(2 * nt, split.nth, [&](int64_t t) {
+            const bool up = t >= nt;
+            const int64_t n0 = (up ? t - nt : t) * rows, n1 = std::min(F, n0 + rows);
+            (up ? fu : fg).matvec_panels(up ? pup : pgp, K, n0, n1, up ? &au : &qg.view, M,
+                                         gp + (up ? M * F : 0) + n0, F);
+        });
+        const int64_t et = std::max<int64_t>(1, std::min<int64_t>(split.nth, F / 256));
+        run_tasks(et, split.nth, [&](int64_t t) {
+            const int64_t n0 = t * F / et, n1 = (t + 1) * F / et;
+            epilogue(gp + n0, gp + M * F + n0, F, n0, n1 - n0);
+        });
+        return y;
+    }
     split.run(F, [&](int64_t n0, int64_t n1) {
         thread_local std::vector<float> gbuf, ubuf;  // this task's projections, [M, n1 - n0]
         gbuf.resize(M * cols);
@@ -360,13 +390,7 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
         else fng(pg + n0 * rbg, rbg, 0, w, &qg.view, M, gbuf.data(), w);
         if (pup) fu.matvec_panels(pup, K, n0, n1, &au, M, ubuf.data(), w);
         else fnu(pu + n0 * rbu, rbu, 0, w, &au, M, ubuf.data(), w);
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t j = 0; j < w; ++j) {
-                float a = gbuf[m * w + j], u = ubuf[m * w + j];
-                if (round_to == 1) { a = (float)c10::BFloat16(a); u = (float)c10::BFloat16(u); }
-                else if (round_to == 2) { a = (float)c10::Half(a); u = (float)c10::Half(u); }
-                yp[m * F + n0 + j] = a / (1.0f + std::exp(-a)) * u;
-            }
+        epilogue(gbuf.data(), ubuf.data(), w, n0, w);
     });
     return y;
 }
