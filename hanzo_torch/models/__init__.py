@@ -76,7 +76,7 @@ def load(
             (:func:`hanzo_torch.backends.cpu.attach_panels`: about 1.03x their bytes more memory,
             built in parallel at load; ``HANZO_CPU_PANELS=0`` builds none). None
             (default): False where the kernel offers transparent huge pages (``always`` or
-            ``madvise``) and the weights take at most half of ``MemAvailable``, else True
+            ``madvise``) and the weights (with the panels) take at most half of ``MemAvailable``, else True
             (:func:`hanzo_torch.host_memory.resolve_mmap`).
 
     Returns:
