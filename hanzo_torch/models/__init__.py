@@ -40,10 +40,11 @@ def load(
     weights and biases are dequantized to ``dtype``. No full-precision copy of a matrix is ever
     made.
 
-    Nothing is compiled here: the first op call on a device type activates the kernels serving
-    it, so on a fresh install the first forward on the CPU includes the one-time build of the
-    C++ kernels (``python3 -m hanzo_torch.backends.cpu`` builds them ahead; the CLI activates
-    them right after loading).
+    The first op call on a device type activates the kernels serving it, so on a fresh install
+    the first forward on the CPU includes the one-time build of the C++ kernels
+    (``python3 -m hanzo_torch.backends.cpu`` builds them ahead; the CLI activates them right after
+    loading), except where a CPU load copies the weights (``mmap=False``): the panels of the
+    decode mat-vec are laid out by those kernels, so that load builds them.
 
     Args:
         path: the ``.gguf`` file.
