@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="write the prefill and decode step as a torch-mlir linalg-on-tensors module "
                                       "(needs the [mlir] extra)")
+    _add_debug(e, argparse.SUPPRESS)
     e.add_argument("path", help="GGUF file")
     e.add_argument("-o", "--output", required=True, metavar="PATH", help="MLIR file (.mlirbc: bytecode, else text)")
     e.add_argument("-c", "--ctx-size", type=_positive_int, default=512, metavar="N",
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="requantize a GGUF file with llama-quantize's per-tensor recipe "
                                         "(e.g. quantize in.gguf out.gguf Q4_K_M)")
+    _add_debug(q, argparse.SUPPRESS)
     q.add_argument("input", help="GGUF file (any format hanzo-torch reads)")
     q.add_argument("output", help="output GGUF file (written to OUTPUT.tmp, then renamed)")
     q.add_argument("type", help="Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, IQ4_XS, IQ4_NL, IQ3_M, IQ3_S, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
@@ -199,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "is computed either way")
 
     c = sub.add_parser("convert", help="convert a Hugging Face Qwen2/Qwen3/Qwen3-MoE checkpoint (safetensors) to GGUF")
+    _add_debug(c, argparse.SUPPRESS)
     c.add_argument("input", help="checkpoint folder (config.json, tokenizer.json, tokenizer_config.json, "
                                  "*.safetensors) or one .safetensors file in such a folder")
     c.add_argument("-o", "--output", "--outfile", required=True, metavar="PATH", help="GGUF file (written atomically)")

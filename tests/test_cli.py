@@ -244,6 +244,20 @@ def test_zero_tokens_threads_and_debug(tiny_model, capsys):
     assert rc == 1 and "Traceback (most recent call last)" in err
 
 
+@pytest.mark.parametrize("argv", [["quantize", "{missing}", "{out}", "Q4_K_M"],
+                                  ["export", "{missing}", "-o", "{out}"],
+                                  ["convert", "{missing}", "-o", "{out}"]])
+def test_debug_after_every_file_command(tmp_path, capsys, argv):
+    """--debug is accepted after quantize, export and convert too (as after generate): the traceback
+    of the one-line error."""
+    names = {"missing": str(tmp_path / "missing.gguf"), "out": str(tmp_path / "out.bin")}
+    argv = [a.format(**names) for a in argv]
+    rc, _, err = run(argv, capsys)
+    assert rc == 1 and "Traceback" not in err and err.count("\n") == 1
+    rc, _, err = run(argv + ["--debug"], capsys)
+    assert rc == 1 and "Traceback (most recent call last)" in err
+
+
 def test_malformed_model_is_one_line(tiny_model, tmp_path, capsys):
     """A file that parses but describes an impossible model (head_count 0) used to reach the
     user as a ZeroDivisionError traceback."""
