@@ -149,6 +149,9 @@ def test_load_builds_panels_for_copied_q4k_weights(tmp_path):
     ext = hcpu.extension()
     weights = [p for p in copied.parameters() if isinstance(p, GGUFTensor)]
     with_panels = [p for p in weights if ext.panels_of(p.packed, _tid())]
+    if hcpu.default_isa() == 0:  # the scalar level has no panel kernel: load builds none
+        assert not with_panels
+        return
     assert with_panels and all(p.qtype == "Q4_K" for p in with_panels)
     assert not any(ext.panels_of(p.packed, _tid()) for p in mapped.parameters() if isinstance(p, GGUFTensor))
     ids = torch.tensor([[11, 22, 33]])
