@@ -1,4 +1,4 @@
-// Mat-vec over weights stored as row-interleaved panels (HzPanelLayout in hz_api.h), built once at
+// Mat-vec over weights stored as row-interleaved panels (hz_panel_fn in hz_api.h), built once at
 // load. Included by kernels.h inside namespace hz_<isa>, SIMD path only (HZ_ISA >= 1).
 //
 // Q4_K panels ("Q4_K x 8"): 8 consecutive weight rows per group; per group and 256-value block

@@ -43,8 +43,8 @@ def load(
     The first op call on a device type activates the kernels serving it, so on a fresh install
     the first forward on the CPU includes the one-time build of the C++ kernels
     (``python3 -m hanzo_torch.backends.cpu`` builds them ahead; the CLI activates them right after
-    loading), except where a CPU load copies the weights (``mmap=False``): the panels of the
-    decode mat-vec are laid out by those kernels, so that load builds them.
+    loading), except where a CPU load may copy the weights (``mmap=False`` or None): the panels
+    of the decode mat-vec are sized and laid out by those kernels, so that load builds them.
 
     Args:
         path: the ``.gguf`` file.
@@ -202,7 +202,8 @@ def _host_weights(model: nn.Module, mmap: Optional[bool], f, ranks_here: int = 1
     weights = [w for w, _ in owners.values()]
     on_cpu = all(w.packed.device.type == "cpu" for w in weights)
     # the CPU mat-vec's row-interleaved panels, built beside the copies (backends.cpu.attach_panels)
-    panels = sum(cpu.panel_bytes(w.qtype, tuple(w.packed.shape)) for w in weights) if on_cpu else 0
+    # (mmap=True copies nothing, so it needs neither them nor the kernels that lay them out)
+    panels = sum(cpu.panel_bytes(w.qtype, tuple(w.packed.shape)) for w in weights) if on_cpu and mmap is not True else 0
     nbytes = sum(w.packed.numel() for w in weights) + panels
     if not weights or host_memory.resolve_mmap(mmap, nbytes * max(1, ranks_here), where=f"load({f.path!r})"):
         return True
