@@ -98,7 +98,10 @@ def main() -> None:
                     help="256-bit GEMM of Q4_K / Q6_K on row-interleaved panels and on the row tiles (HANZO_CPU_REPACK), alternated")
     ap.add_argument("--median", action="store_true", help="median instead of min over repetitions")
     ap.add_argument("--rounds", type=int, default=3, help="bandwidth + mat-vec rounds (median and range reported)")
-    ap.add_argument("--prefetch", type=int, default=None, help="mat-vec software prefetch distance, bytes")
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="mat-vec software prefetch distance, bytes, of the prefetch in use (into L2 unless --prefetch-l1)")
+    ap.add_argument("--prefetch-l1", action="store_true",
+                    help="mat-vec prefetch into L1 instead of L2 (HANZO_CPU_PREFETCH_L2=0)")
     ap.add_argument("--chunk", type=int, default=None, help="mat-vec task size of the row split, bytes (default 256 KiB)")
     args = ap.parse_args()
     global STAT
@@ -107,8 +110,10 @@ def main() -> None:
     ext = hcpu.build()
     isa = args.isa or hcpu.ISA_NAMES[hcpu.default_isa()]
     N, K = (int(v) for v in args.shape.split(","))
-    if args.prefetch is not None:
-        ext.set_prefetch_bytes(args.prefetch)
+    if args.prefetch_l1:
+        ext.set_prefetch_l2(False)
+    if args.prefetch is not None:  # the other distance keeps its default
+        ext.set_prefetch_bytes(*((args.prefetch, 8192) if args.prefetch_l1 else (2048, args.prefetch)))
     if args.chunk is not None:
         ext.set_matvec_chunk_bytes(args.chunk)
     fmts = args.formats.split(",")

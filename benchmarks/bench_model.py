@@ -3,7 +3,7 @@
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
         [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args="-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
-        [--busy-kind spin|matmul] [--matvec-ab] [--panels-ab] [--repack-ab] [--group-ab] [--ranged-ab] [--mmap-ab] [--decode-attention-ab] [--profile]
+        [--busy-kind spin|matmul] [--matvec-ab] [--panels-ab] [--prefetch-ab] [--repack-ab] [--group-ab] [--ranged-ab] [--mmap-ab] [--decode-attention-ab] [--profile]
         [--kv-dtype auto|f32|f16|bf16|q8_0]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
@@ -51,6 +51,10 @@ average is printed with every round.
 ``--matvec-ab`` adds our model once more with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows
 (``set_matvec512(False)``, what ``HANZO_CPU_MATVEC512=0`` gives), same weights, alternating; its
 ratio column is 512-bit / 256-bit rows.
+
+``--prefetch-ab`` adds our model once more with the mat-vec's weight prefetch into L1, 2 KiB ahead,
+instead of into L2, 8 KiB ahead (``set_prefetch_l2(False)``, what ``HANZO_CPU_PREFETCH_L2=0``
+gives), same weights, alternating; its ratio column is L2 / L1.
 
 ``--panels-ab`` adds our model once more with the decode mat-vec on the packed rows instead of the
 Q4_K weights' row-interleaved panels built at load (``set_panels(False)``, what ``HANZO_CPU_PANELS=0``
@@ -242,10 +246,13 @@ class HanzoSwitchedOff:
     - ``ranged_tasks``: every parallel region's tasks from one shared counter instead of one
       contiguous range per thread (``--ranged-ab``; ``HANZO_CPU_RANGED_TASKS=0``);
     - ``panels``: the decode mat-vec on the packed rows instead of the row-interleaved panels built
-      at load (``--panels-ab``; ``HANZO_CPU_PANELS=0``)."""
+      at load (``--panels-ab``; ``HANZO_CPU_PANELS=0``);
+    - ``prefetch_l2``: the mat-vec's weight prefetch into L1, 2 KiB ahead, instead of into L2, 8 KiB
+      ahead (``--prefetch-ab``; ``HANZO_CPU_PREFETCH_L2=0``)."""
 
     NAMES = {"matvec512": "hanzo-torch (256-bit mat-vec)", "repack": "hanzo-torch (no repack)",
-             "ranged_tasks": "hanzo-torch (shared task counter)", "panels": "hanzo-torch (mat-vec on rows)"}
+             "ranged_tasks": "hanzo-torch (shared task counter)", "panels": "hanzo-torch (mat-vec on rows)",
+             "prefetch_l2": "hanzo-torch (L1 prefetch)"}
 
     def __init__(self, ours: Hanzo, getter: str):
         self.ours, self.version, self.name = ours, ours.version, self.NAMES[getter]
@@ -501,6 +508,8 @@ def main() -> None:
                     help="also run our model with the adaptive thread count off")
     ap.add_argument("--matvec-ab", action="store_true",
                     help="also run our model with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows")
+    ap.add_argument("--prefetch-ab", action="store_true",
+                    help="also run our model with the mat-vec's weight prefetch into L1 instead of L2 (HANZO_CPU_PREFETCH_L2=0)")
     ap.add_argument("--panels-ab", action="store_true",
                     help="also run our model with the decode mat-vec on the packed rows instead of the panels (HANZO_CPU_PANELS=0)")
     ap.add_argument("--repack-ab", action="store_true",
@@ -539,6 +548,10 @@ def main() -> None:
         engines.append(HanzoFixedThreads(engines[0]))
     if args.matvec_ab:
         engines.append(HanzoSwitchedOff(engines[0], "matvec512"))
+    if args.prefetch_ab:
+        if not hcpu.prefetch_l2():
+            ap.error("--prefetch-ab: the L2 prefetch is off (HANZO_CPU_PREFETCH_L2=0): both columns would be the same")
+        engines.append(HanzoSwitchedOff(engines[0], "prefetch_l2"))
     if args.panels_ab:
         if not hcpu.panels():
             ap.error("--panels-ab: the panels are off (HANZO_CPU_PANELS=0): both columns would be the rows")

@@ -166,3 +166,34 @@ def test_load_builds_panels_for_copied_q4k_weights(tmp_path):
             assert torch.equal(copied(ids), mapped(ids))
         finally:
             hcpu.set_panels(True)
+
+
+@pytest.mark.parametrize("isa", SIMD)
+def test_prefetch_into_l2_or_l1_gives_the_same_bits(ext, isa):
+    """The mat-vec's weight prefetch (into L2 8 KiB ahead, or into L1 2 KiB ahead, or none) is a
+    hint only: panels and rows of the formats whose kernels prefetch (Q4_K, Q6_K, the 4-block
+    Q4_0 step, the two-block Q4_1 step) give the same bits with each, including prefetches past
+    the weight's end (a weight smaller than the distance)."""
+    cases = []
+    for qtype, N, K in (("Q4_K", 64, 1024), ("Q6_K", 37, 2304), ("Q4_0", 33, 1024), ("Q4_1", 21, 544), ("Q4_K", 8, 256)):
+        w = random_blocks(qtype, N, K, seed=N)
+        cases.append((qtype, w, torch.randn(1, K, generator=torch.Generator().manual_seed(K)) * 2))
+    _attach(ext, cases[0][1])
+    _attach(ext, cases[-1][1])
+    try:
+        outs = []
+        for l2, dist in ((True, (2048, 8192)), (False, (2048, 8192)), (True, (0, 0)), (False, (0, 0))):
+            hcpu.set_prefetch_l2(l2)
+            ext.set_prefetch_bytes(*dist)
+            outs.append([hcpu.mul_mat(x, w, q, isa=isa) for q, w, x in cases])
+        assert ext.panels_of(cases[0][1], _tid())
+        for ys in outs[1:]:
+            for (q, w, _), y0, y in zip(cases, outs[0], ys):
+                assert torch.equal(y, y0), (q, tuple(w.shape))
+        for (q, w, x), y0 in zip(cases, outs[0]):
+            assert not torch.equal(y0, torch.zeros_like(y0)), q
+    finally:
+        hcpu.set_prefetch_l2(True)
+        ext.set_prefetch_bytes(2048, 8192)
+        ext.drop_panels_of(cases[0][1])
+        ext.drop_panels_of(cases[-1][1])

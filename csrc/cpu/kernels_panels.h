@@ -35,9 +35,7 @@ static void panels_q4k_tile(const uint8_t* P, int64_t K, int64_t n0, int64_t n1,
             for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
             for (int64_t b = kp; b < ke; ++b) {
                 const uint8_t* pb = pg + b * HZ_Q4K_PANEL_BYTES;
-                if (hz_prefetch_bytes > 0)
-                    for (int off = 0; off < HZ_Q4K_PANEL_BYTES; off += 64)
-                        _mm_prefetch((const char*)(pb + hz_prefetch_bytes + off), _MM_HINT_T0);
+                hz_prefetch_stream(pb, HZ_Q4K_PANEL_BYTES);
                 __m256i is[MR];
                 for (int m = 0; m < MR; ++m) is[m] = _mm256_setzero_si256();
                 for (int j = 0; j < 4; ++j) {

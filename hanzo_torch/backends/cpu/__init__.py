@@ -75,7 +75,7 @@ __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "mul_mat_group", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
            "set_matvec512", "matvec512", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks",
-           "set_panels", "panels", "panel_bytes", "attach_panels"]
+           "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
@@ -258,13 +258,14 @@ _SWITCHES = (
     ("HANZO_CPU_RANGED_TASKS", "set_ranged_tasks", "the contiguous task ranges"),
     ("HANZO_CPU_MATVEC512", "set_matvec512", "the 512-bit mat-vec"),
     ("HANZO_CPU_PANELS", "set_panels", "the mat-vec over row-interleaved panels"),
+    ("HANZO_CPU_PREFETCH_L2", "set_prefetch_l2", "the mat-vec's prefetch into L2"),
 )
 
 
 def check_environment() -> None:
     """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or one of the switch
     variables (``HANZO_CPU_ADAPTIVE_THREADS``, ``_GEMM512``, ``_REPACK``, ``_RANGED_TASKS``,
-    ``_MATVEC512``, ``_PANELS``) is neither 0 nor 1 (cheap: no build, no CPU probe).
+    ``_MATVEC512``, ``_PANELS``, ``_PREFETCH_L2``) is neither 0 nor 1 (cheap: no build, no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
     """
@@ -607,6 +608,24 @@ def set_panels(enabled: bool) -> None:
 def panels() -> bool:
     """Whether the mat-vec reads registered panels (:func:`set_panels`)."""
     return bool(_ext_or_raise().panels())
+
+
+def set_prefetch_l2(enabled: bool) -> None:
+    """Prefetch the mat-vec's weight stream into L2 only, 8 KiB ahead (True, the default), or into
+    L1, 2 KiB ahead (False), for A/B runs; every SIMD level, rows and panels alike. Speed only: the
+    results are the same bits. ``HANZO_CPU_PREFETCH_L2=0`` (read when the kernels load) sets False.
+    The measurements behind the default are in csrc/cpu/ops.cpp (Zen 4; Zen 3 was tuned with the
+    L1 prefetch and has not been measured with this one).
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_prefetch_l2(bool(enabled))
+
+
+def prefetch_l2() -> bool:
+    """Whether the mat-vec prefetches its weights into L2 (:func:`set_prefetch_l2`)."""
+    return bool(_ext_or_raise().prefetch_l2())
 
 
 def panel_bytes(qtype: str, shape) -> int:
