@@ -89,3 +89,27 @@ def test_fallback_when_extension_missing(monkeypatch):
     assert torch.equal(cf.rms_norm(x, w, 1e-6), ref.rms_norm_reference(x, w, 1e-6))
 
 
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_swiglu_bits_do_not_depend_on_the_split_and_special_values(isa):
+    """silu(g) * u (csrc/cpu/fused.cpp hz_silu_mul, also swiglu_mul_mat's epilogue): an element's
+    bits are the same whether it sits in 8 full lanes or in a row's tail (the fused op splits rows
+    by its tasks, the plain op by its own); within float32 roundings of the float64 formula; the
+    exp never overflows (g = -100 gives -0.0-ish, not NaN); NaN stays NaN, +inf gives inf and
+    -inf gives NaN, as torch's silu."""
+    if isa not in hcpu.isa_levels():
+        pytest.skip(f"no {isa} level here")
+    x = torch.randn(3, 77, generator=g(7)) * 6
+    u = torch.randn(3, 77, generator=g(8))
+    with hcpu.use_isa(isa):
+        whole = cf.swiglu(x, u)
+        for a, b in ((0, 5), (5, 13), (13, 77), (40, 41)):
+            assert torch.equal(cf.swiglu(x[:, a:b].contiguous(), u[:, a:b].contiguous()), whole[:, a:b]), (a, b)
+        want = x.double() * torch.sigmoid(x.double()) * u.double()
+        assert ((whole.double() - want).abs() <= 4e-7 * want.abs() + 1e-30).all()
+        sp = torch.tensor([[-100.0, -88.0, float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 90.0]])
+        y = cf.swiglu(sp, torch.full_like(sp, 2.0))
+    assert y[0, 0].abs() < 1e-30 and y[0, 1].abs() < 1e-30
+    assert y[0, 2].isnan() and y[0, 3] == float("inf") and y[0, 4].isnan()
+    assert y[0, 5] == 0 and y[0, 6] == 0 and y[0, 7] == 180.0

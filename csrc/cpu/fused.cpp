@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -177,11 +178,19 @@ at::Tensor swiglu(const at::Tensor& g_in, const at::Tensor& u_in) {
         const scalar_t* gp = g.data_ptr<scalar_t>();
         const scalar_t* up = u.data_ptr<scalar_t>();
         scalar_t* yp = y.data_ptr<scalar_t>();
-        // weight 16 per element: expf costs ~10x a load/store, so the FFN width (~9k) is threaded
-        for_rows(n, 16, [&](int64_t i0, int64_t i1) {
-            for (int64_t i = i0; i < i1; ++i) {
-                const float a = ld(gp[i]);
-                yp[i] = st<scalar_t>(a / (1.0f + std::exp(-a)) * ld(up[i]));
+        // weight 4 per element: the exp costs a few loads and stores even 8 lanes at a time
+        for_rows(n, 4, [&](int64_t i0, int64_t i1) {
+            if constexpr (std::is_same_v<scalar_t, float>) {
+                hz_silu_mul(reinterpret_cast<const float*>(gp) + i0, reinterpret_cast<const float*>(up) + i0,
+                            reinterpret_cast<float*>(yp) + i0, i1 - i0);
+            } else {
+                float a[256], b[256];
+                for (int64_t c0 = i0; c0 < i1; c0 += 256) {
+                    const int64_t c = std::min<int64_t>(256, i1 - c0);
+                    for (int64_t j = 0; j < c; ++j) { a[j] = ld(gp[c0 + j]); b[j] = ld(up[c0 + j]); }
+                    hz_silu_mul(a, b, a, c);
+                    for (int64_t j = 0; j < c; ++j) yp[c0 + j] = st<scalar_t>(a[j]);
+                }
             }
         });
     });
@@ -429,6 +438,25 @@ __attribute__((target("avx2,fma"))) float exp_sum_avx2(float* s, int64_t n, floa
     }
     return l;
 }
+// silu(a) * b for 8 lanes (silu_mul below).
+__attribute__((target("avx2,fma"))) inline __m256 silu_mul8(__m256 a, __m256 b) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 x = _mm256_or_ps(a, _mm256_set1_ps(-0.0f));  // -|a|
+    const __m256 e = _mm256_and_ps(exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GT_OQ));
+    const __m256 num = _mm256_blendv_ps(one, e, a);  // e where a's sign bit is set
+    return _mm256_mul_ps(_mm256_mul_ps(a, _mm256_div_ps(num, _mm256_add_ps(one, e))), b);
+}
+__attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* g, const float* u, float* y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < n) {  // the tail through the same lanes: an element's bits do not depend on where it sits
+        alignas(32) float tg[8] = {0}, tu[8] = {0}, ty[8];
+        std::memcpy(tg, g + i, (n - i) * sizeof(float));
+        std::memcpy(tu, u + i, (n - i) * sizeof(float));
+        _mm256_store_ps(ty, silu_mul8(_mm256_load_ps(tg), _mm256_load_ps(tu)));
+        std::memcpy(y + i, ty, (n - i) * sizeof(float));
+    }
+}
 bool has_avx2_fma() {
     static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
     return yes;
@@ -441,6 +469,7 @@ void pv_avx2(const float* p, int64_t ps, int64_t G, const float* r, int64_t D, f
     pv_generic(p, ps, G, r, D, acc);
 }
 float exp_sum_avx2(float* s, int64_t n, float m) { return exp_sum_generic(s, n, m); }
+void silu_mul_avx2(const float*, const float*, float*, int64_t) {}
 bool has_avx2_fma() { return false; }
 #endif
 
@@ -1404,6 +1433,21 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& probs_in, int64_t
 }
 
 }  // namespace
+
+// silu(g) * u over n floats (hz_api.h): y = g * s * u, s = 1 / (1 + e) where g >= 0 and e / (1 + e)
+// where g < 0, e = exp(-|g|), so the exp never overflows; e is 0 below -87.3 (silu(-inf) is NaN,
+// as torch's). exp8's 8 lanes (about 1 ulp) with AVX2+FMA unless the backend's instruction set is
+// scalar, std::exp otherwise; the tail goes through the same lanes, so an element's bits do not
+// depend on the caller's split of the row.
+void hz_silu_mul(const float* g, const float* u, float* y, int64_t n) {
+    if (n <= 0) return;
+    if (has_avx2_fma() && hz_active_isa.load(std::memory_order_relaxed) >= 1) return silu_mul_avx2(g, u, y, n);
+    for (int64_t i = 0; i < n; ++i) {
+        const float a = g[i], x = -std::fabs(a);
+        const float e = x > -87.3f ? std::exp(x) : 0.0f;
+        y[i] = a * ((std::signbit(a) ? e : 1.0f) / (1.0f + e)) * u[i];
+    }
+}
 
 TORCH_LIBRARY(hanzo_cpu, m) {
     m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);

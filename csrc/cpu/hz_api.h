@@ -82,4 +82,7 @@ extern int64_t hz_gemm_kc, hz_gemm_mc;
 // The instruction set the registered kernels use (0 scalar, 1 avx2, 2 avx512, 3 avx512-sim), set by ops.cpp's
 // configure/set_isa; the fused kernels (fused.cpp) pick their loops by it.
 extern std::atomic<int64_t> hz_active_isa;
+// silu(g[i]) * u[i] -> y[i] for i < n, float32 (fused.cpp): the SwiGLU product of hanzo_cpu::swiglu and of
+// swiglu_mul_mat's epilogue, one function so that both give the same bits. y may be g or u.
+void hz_silu_mul(const float* g, const float* u, float* y, int64_t n);
 #endif

@@ -361,14 +361,17 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
     const uint8_t* pgp = mv && fg.matvec_panels ? panels_for(wg, tg) : nullptr;
     const uint8_t* pup = mv && fu.matvec_panels ? panels_for(wu, tu) : nullptr;
     float* yp = y.data_ptr<float>();
-    auto epilogue = [&](const float* g, const float* u, int64_t ld, int64_t n0, int64_t w) {
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t j = 0; j < w; ++j) {
-                float a = g[m * ld + j], b = u[m * ld + j];
-                if (round_to == 1) { a = (float)c10::BFloat16(a); b = (float)c10::BFloat16(b); }
-                else if (round_to == 2) { a = (float)c10::Half(a); b = (float)c10::Half(b); }
-                yp[m * F + n0 + j] = a / (1.0f + std::exp(-a)) * b;
-            }
+    // the projections of rows [n0, n0 + w), rounded in place as the unfused ops round them
+    auto epilogue = [&](float* g, float* u, int64_t ld, int64_t n0, int64_t w) {
+        for (int64_t m = 0; m < M; ++m) {
+            float* a = g + m * ld;
+            float* b = u + m * ld;
+            if (round_to == 1)
+                for (int64_t j = 0; j < w; ++j) { a[j] = (float)c10::BFloat16(a[j]); b[j] = (float)c10::BFloat16(b[j]); }
+            else if (round_to == 2)
+                for (int64_t j = 0; j < w; ++j) { a[j] = (float)c10::Half(a[j]); b[j] = (float)c10::Half(b[j]); }
+            hz_silu_mul(a, b, yp + m * F + n0, w);
+        }
     };
     if (pgp && pup && !split.serial) {
         // Both weights on panels: the tasks are gate's row ranges, then up's, in one region, so each
