@@ -245,7 +245,7 @@ def _flag_env(name: str) -> bool:
     raw = os.environ.get(name, "")
     value = _ADAPTIVE_VALUES.get(raw.strip().lower())
     if value is None:
-        raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+        raise ValueError(f"{name}={raw!r}: expected 0 or 1 (or off/on, false/true)")
     return value
 
 
@@ -255,7 +255,7 @@ _SWITCHES = (
     ("HANZO_CPU_ADAPTIVE_THREADS", "set_adaptive_threads", "the adaptive thread count"),
     ("HANZO_CPU_GEMM512", "set_gemm512", "the 512-bit GEMM"),
     ("HANZO_CPU_REPACK", "set_repack", "the row-interleaved Q4_K / Q6_K GEMM"),
-    ("HANZO_CPU_RANGED_TASKS", "set_ranged_tasks", "the contiguous task ranges"),
+    ("HANZO_CPU_RANGED_TASKS", "set_ranged_tasks", "the split into contiguous task ranges"),
     ("HANZO_CPU_MATVEC512", "set_matvec512", "the 512-bit mat-vec"),
     ("HANZO_CPU_PANELS", "set_panels", "the mat-vec over row-interleaved panels"),
     ("HANZO_CPU_PREFETCH_L2", "set_prefetch_l2", "the mat-vec's prefetch into L2"),
