@@ -62,8 +62,8 @@ const HzIsa* hz_isa_avx512_sim();
 // format registry (set_table) before use.
 extern const int8_t* hz_tables[HZ_N_TABLES];
 // Software prefetch of the mat-vec weight stream (hz_prefetch_stream in kernels.h, measurements
-// in ops.cpp): with hz_prefetch_l2 on, into L2 only, hz_prefetch_l2_bytes ahead; off, into L1,
-// hz_prefetch_bytes ahead.
+// in ops.cpp): on the AVX-512 levels with hz_prefetch_l2 on, into L2 only, hz_prefetch_l2_bytes
+// ahead; otherwise (and on the avx2 level) into L1, hz_prefetch_bytes ahead.
 extern int64_t hz_prefetch_bytes, hz_prefetch_l2_bytes;
 extern int hz_prefetch_l2;
 // 1: the AVX-512 level's GEMM uses its 512-bit kernels (kernels_gemm512.h); 0: its 256-bit ones.

@@ -417,16 +417,20 @@ template <> struct Hooks<FQ3_K> {  // unsigned q3 = 2 low bits | high bit << 2, 
 
 static const __m256i* hz_ones16() { static const int16_t o[16] __attribute__((aligned(32))) = {1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}; return (const __m256i*)o; }
 
-// Software prefetch of a mat-vec's weight stream, for the cache lines of [p, p + n): into L2 only
-// (prefetcht2) hz_prefetch_l2_bytes ahead while hz_prefetch_l2 is on, else into L1 (prefetcht0)
-// hz_prefetch_bytes ahead; a distance of 0 prefetches nothing (hz_api.h, ops.cpp).
+// Software prefetch of a mat-vec's weight stream, for the cache lines of [p, p + n): on the
+// AVX-512 levels while hz_prefetch_l2 is on, into L2 only (prefetcht2) hz_prefetch_l2_bytes ahead;
+// otherwise, and always on the avx2 level, into L1 (prefetcht0) hz_prefetch_bytes ahead. A distance
+// of 0 prefetches nothing (hz_api.h; the measurements are in ops.cpp).
 static inline void hz_prefetch_stream(const uint8_t* p, int n) {
+#if HZ_ISA >= 2
     if (hz_prefetch_l2) {
         if (hz_prefetch_l2_bytes > 0)
             for (int off = 0; off < n; off += 64) _mm_prefetch((const char*)(p + hz_prefetch_l2_bytes + off), _MM_HINT_T2);
-    } else if (hz_prefetch_bytes > 0) {
-        for (int off = 0; off < n; off += 64) _mm_prefetch((const char*)(p + hz_prefetch_bytes + off), _MM_HINT_T0);
+        return;
     }
+#endif
+    if (hz_prefetch_bytes > 0)
+        for (int off = 0; off < n; off += 64) _mm_prefetch((const char*)(p + hz_prefetch_bytes + off), _MM_HINT_T0);
 }
 
 #include "kernels_matvec.h"

@@ -28,10 +28,12 @@
 extern "C" {
 const int8_t* hz_tables[HZ_N_TABLES] = {};
 // Mat-vec weight prefetch. Into L1 (prefetcht0) 2 KiB ahead: 2-4 KiB measured best of the L1
-// distances on Zen 3 (DRAM stream, 1 thread). Into L2 only (prefetcht2) 8 KiB ahead, the default:
-// on Zen 4 (2 threads, model decode alternated with the L1 prefetch, 30 rounds) +7.5% in the
-// minutes where a plain read reached 52-60 GB/s and +0.0% where it reached 32-34 GB/s; the avx2
-// level there +1.1% (20 rounds, all in the slow minutes). A prefetcht0 at 2 KiB sits below the
+// distances on Zen 3 (DRAM stream, 1 thread), and what the avx2 level always does. Into L2 only
+// (prefetcht2) 8 KiB ahead, the AVX-512 levels' default: on Zen 4 (2 threads, model decode
+// alternated with the L1 prefetch) +7.5% in the minutes where a plain read reached 52-60 GB/s (20
+// rounds) and +0.0% / +1.4% where it reached 30-35 GB/s (10 / 29 rounds). The avx2 level on the
+// same box gained nothing from it (fast minutes 0.999x in 21 rounds, slow 0.970x in 9 and 1.011x
+// in 20), so it keeps the L1 prefetch. A prefetcht0 at 2 KiB sits below the
 // fast minutes' bandwidth-latency product (about 3 KiB per core), and longer L1 distances measured
 // slower: the L2 takes the longer distance. Both hints on every line measured 11% slower than the
 // L1 prefetch alone (fast minutes, the token's mat-vecs replayed).

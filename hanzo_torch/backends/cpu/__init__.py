@@ -611,11 +611,11 @@ def panels() -> bool:
 
 
 def set_prefetch_l2(enabled: bool) -> None:
-    """Prefetch the mat-vec's weight stream into L2 only, 8 KiB ahead (True, the default), or into
-    L1, 2 KiB ahead (False), for A/B runs; every SIMD level, rows and panels alike. Speed only: the
-    results are the same bits. ``HANZO_CPU_PREFETCH_L2=0`` (read when the kernels load) sets False.
-    The measurements behind the default are in csrc/cpu/ops.cpp (Zen 4; Zen 3 was tuned with the
-    L1 prefetch and has not been measured with this one).
+    """On the AVX-512 levels (``avx512``, ``avx512-sim``), prefetch the mat-vec's weight stream
+    into L2 only, 8 KiB ahead (True, the default), or into L1, 2 KiB ahead (False), for A/B runs;
+    rows and panels alike. The ``avx2`` level always prefetches into L1 (it gained nothing from the
+    L2 prefetch). Speed only: the results are the same bits. ``HANZO_CPU_PREFETCH_L2=0`` (read when
+    the kernels load) sets False. The measurements behind the default are in csrc/cpu/ops.cpp (Zen 4).
 
     Raises:
         RuntimeError: the extension cannot be built.
