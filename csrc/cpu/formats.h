@@ -48,16 +48,6 @@ static inline void fill_groups(Unpacked& u, int ngroups, int sc, int mn) {
     for (int g = 0; g < ngroups; ++g) { u.sc[g] = (int16_t)sc; u.mn[g] = (int16_t)mn; }
 }
 
-// Q4_K / Q5_K 6-bit scales and mins: 12 bytes -> 8 scales, 8 mins (ggml get_scale_min_k4).
-static inline void kquant_scales_6bit(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
-    for (int j = 0; j < 4; ++j) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0f) | ((s[j] >> 6) << 4));
-        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-    }
-}
-
 // Tables: the small ones (IQ4_NL / IQ4_XS non-linear levels, MXFP4 e2m1 levels doubled) are
 // constants of ggml_blocks.h (hz_kvalues_*); the i-quant grids are read from the registry at run
 // time (set_table in ops.cpp) and reach this code through hz_tables[TABLE].

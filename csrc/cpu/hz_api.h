@@ -9,6 +9,17 @@
 
 #include "ggml_blocks.h"  // block structs, type ids and table slots, generated from the format registry
 
+// Q4_K / Q5_K 6-bit scales and mins: 12 bytes -> 8 scales, 8 mins (ggml get_scale_min_k4); the
+// formats' unpacking (formats.h) and the Q4_K panel packing (ops.cpp) share it.
+static inline void kquant_scales_6bit(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0f) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
 // An activation quantized to int8: row m holds q[m*K .. m*K+K), one float scale per qa values
 // (qa = the weight format's block size: 32, 128 for Q1_0, 256 for the K-quant style formats) and one int16
 // sum of q per 16 values.

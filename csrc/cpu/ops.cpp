@@ -166,15 +166,14 @@ void pack_q4k_groups(const uint8_t* W, int64_t rb, int64_t g0, int64_t g1, uint8
             for (int r = 0; r < 8; ++r) {
                 const uint8_t* blk = W + (g * 8 + r) * rb + b * (int64_t)sizeof(block_q4_K);
                 const uint8_t* qs = blk + offsetof(block_q4_K, qs);
-                const uint8_t* q = blk + offsetof(block_q4_K, scales);
                 for (int j = 0; j < 4; ++j)
                     for (int k = 0; k < 8; ++k)
                         memcpy(pb + 256 * j + 32 * k + 4 * r, qs + 32 * j + 4 * k, 4);
-                for (int s = 0; s < 8; ++s) {  // ggml's get_scale_min_k4
-                    const uint8_t sc = s < 4 ? (q[s] & 63) : ((q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4));
-                    const uint8_t mn = s < 4 ? (q[s + 4] & 63) : ((q[s + 4] >> 4) | ((q[s] >> 6) << 4));
-                    pb[1024 + 8 * s + r] = sc;
-                    pb[1088 + 16 * (s / 2) + 2 * r + (s & 1)] = mn;
+                uint8_t sc[8], mn[8];
+                kquant_scales_6bit(blk + offsetof(block_q4_K, scales), sc, mn);
+                for (int s = 0; s < 8; ++s) {
+                    pb[1024 + 8 * s + r] = sc[s];
+                    pb[1088 + 16 * (s / 2) + 2 * r + (s & 1)] = mn[s];
                 }
                 memcpy(pb + 1152 + 2 * r, blk + offsetof(block_q4_K, d), 2);
                 memcpy(pb + 1168 + 2 * r, blk + offsetof(block_q4_K, dmin), 2);
