@@ -145,18 +145,10 @@ def copy_packed(tensors: Sequence[torch.Tensor],
     for t in tensors:
         if t.dtype != torch.uint8 or t.device.type != "cpu":
             raise ValueError(f"copy_packed: need uint8 CPU tensors, got {t.dtype} on {t.device}")
-    sizes = [t.numel() for t in tensors]
-    buf, start = _huge_mapping(sum(_round_up(n, _PAGE) for n in sizes))
-    out, off = [], 0
-    for t, n in zip(tensors, sizes):
-        if n == 0:
-            c = torch.empty(t.shape, dtype=torch.uint8)
-        elif buf is None:
-            c = t.clone()
-        else:  # frombuffer holds a reference to buf: the mapping outlives every view
-            c = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=start + off).view(t.shape)
-            c.copy_(t)
-            off += _round_up(n, _PAGE)
+    out = []
+    for t, c in zip(tensors, empty_packed([t.numel() for t in tensors])):
+        c = c.view(t.shape)
+        c.copy_(t)
         out.append(c)
         if done is not None:
             done(t)
@@ -178,7 +170,7 @@ def empty_packed(sizes: Sequence[int]) -> list[torch.Tensor]:
     for n in sizes:
         if n == 0 or buf is None:
             out.append(torch.empty(n, dtype=torch.uint8))
-        else:
+        else:  # frombuffer holds a reference to buf: the mapping outlives every view
             out.append(torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=start + off))
             off += _round_up(n, _PAGE)
     return out
