@@ -624,7 +624,8 @@ def set_prefetch_l2(enabled: bool) -> None:
 
 
 def prefetch_l2() -> bool:
-    """Whether the mat-vec prefetches its weights into L2 (:func:`set_prefetch_l2`)."""
+    """The L2-prefetch setting (:func:`set_prefetch_l2`): whether the AVX-512 levels' mat-vec
+    prefetches its weights into L2 (the ``avx2`` level prefetches into L1 either way)."""
     return bool(_ext_or_raise().prefetch_l2())
 
 
