@@ -29,6 +29,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from .backends.base import CaptureRejected
+
 __all__ = ["DecodeStep", "CapturedDecode", "graphs_supported", "layer_probe", "clear_graphs"]
 
 WARMUP_STEPS = 2
@@ -36,6 +38,7 @@ WARMUP_STEPS = 2
 format tables there, so nothing in the captured step allocates host memory or compiles)."""
 
 _CACHE_ATTR = "_hanzo_decode_graphs"
+_FAILED = object()  # the cache's entry for a step whose capture failed
 
 
 def graphs_supported(device: torch.device) -> bool:
@@ -55,8 +58,12 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _state_key(model: torch.nn.Module) -> tuple:
-    # buffer addresses: the KV caches a captured graph writes must be the ones the model holds now
-    return tuple(b.data_ptr() for b in model.buffers() if b is not None)
+    # buffer addresses: the KV caches a captured graph writes must be the ones the model holds now;
+    # and the module tree with its hooks: a layer swapped in (PEFT's LoRA layers) or a hook added
+    # after a capture changes what a step runs
+    buffers = tuple(b.data_ptr() for b in model.buffers() if b is not None)
+    modules = tuple((id(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for m in model.modules())
+    return buffers, modules
 
 
 def clear_graphs(model: torch.nn.Module) -> None:
@@ -128,30 +135,49 @@ class DecodeStep:
         self._key = key
         if self.use_graph:
             cached = getattr(model, _CACHE_ATTR, {}).get(key)
-            if cached is not None:
+            if cached is _FAILED:  # this step failed to capture before (and said why): eager, silently
+                self.use_graph = False
+            elif cached is not None:
                 self._captured = cached
                 self.input_ids, self.positions = cached.input_ids, cached.positions
                 return
         self.input_ids = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
         self.positions = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
 
+    def _host_bookkeeping(self) -> None:
+        # Positions on the host: a replay skips the forward's Python, so the checks and the
+        # sequence length that next_positions does in an eager step are done here, before the
+        # kernels run (on an accelerator the positions stay on the device and the ops check them).
+        if self.positions.device.type == "cpu":
+            next_positions = getattr(self.model, "next_positions", None)
+            if next_positions is not None:
+                next_positions(*self.positions.shape, self.positions)
+
     def __call__(self) -> torch.Tensor:
         if self._captured is not None:
             self.graphed = True
+            self._host_bookkeeping()
             return self._captured.replay()
         if self.use_graph:
+            graphs = getattr(self.model, _CACHE_ATTR, None)
+            if graphs is None:
+                graphs = {}
+                setattr(self.model, _CACHE_ATTR, graphs)
+            # graphs of this batch size and arguments on buffers the model no longer holds (a cache
+            # reallocated by setup_cache) can never replay again: drop them with the memory they hold
+            for k in [k for k in graphs if k[:2] == self._key[:2] and k != self._key]:
+                del graphs[k]
             try:
                 cap = CapturedDecode(self.model, self.input_ids, self.positions, self.kwargs)
-            except Exception as e:  # noqa: BLE001 - any capture failure: run eager, say why
+            except Exception as e:  # noqa: BLE001 - any capture failure: run eager, say why (once)
                 self.use_graph = False
+                graphs[self._key] = _FAILED
                 warnings.warn(f"decode graph capture failed, decoding eagerly: {type(e).__name__}: {e}",
                               RuntimeWarning, stacklevel=2)
                 _synchronize(self.device)
+                if isinstance(e, CaptureRejected):  # the step ran eagerly to the end: its logits stand
+                    return e.output
             else:
-                graphs = getattr(self.model, _CACHE_ATTR, None)
-                if graphs is None:
-                    graphs = {}
-                    setattr(self.model, _CACHE_ATTR, graphs)
                 graphs[self._key] = cap
                 self._captured = cap
                 self.graphed = True

@@ -134,22 +134,31 @@ def test_compile_reduce_overhead_decode_step(files):
 # ---------------------------------------------------------------------------------------------- CPU
 
 
-def test_generate_on_cpu_ignores_cuda_graph(files):
+def test_generate_on_cpu_with_and_without_graph(files, monkeypatch):
+    from hanzo_torch.backends import cpu
+
+    monkeypatch.setattr(cpu, "GRAPHS", True)  # whatever HANZO_CPU_GRAPH says in this environment
     model = hanzo_torch.load(files["qwen3"], max_context=64)
     a = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True, cuda_graph=True)
     b = model.generate([5, 6, 7], 6, temperature=0, ignore_eos=True, cuda_graph=False)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 6
-    assert not a.stats.cuda_graph
+    assert a.stats.cuda_graph == cpu.available() and not b.stats.cuda_graph  # a CPU graph (tests/test_cpu_graphs.py)
 
 
 def test_decode_step_eager_on_cpu_and_layer_probe(files):
+    """The probe's copies run between the hanzo ops, which a CPU graph cannot replay: the step
+    says so once and stays eager, and the probe still sees every layer."""
     model = hanzo_torch.load(files["qwen3"], max_context=64)
     with torch.inference_mode(), layer_probe(model) as probe:
         model(torch.tensor([[1, 2, 3]]), positions=torch.arange(3)[None])
         step = DecodeStep(model, 1, torch.device("cpu"), cuda_graph=True, last_only=True)
         step.input_ids.fill_(9)
         step.positions.fill_(3)
-        out = step()
+        if step.use_graph:  # the CPU kernels are built and HANZO_CPU_GRAPH is on
+            with pytest.warns(RuntimeWarning, match="capture failed.*aten::"):
+                out = step()
+        else:
+            out = step()
         assert not step.use_graph and not step.graphed
         assert len(probe) == model.args.n_layer and probe[0].shape == (1, 1, model.args.dim)
         model.reset()

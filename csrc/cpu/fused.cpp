@@ -97,6 +97,18 @@ std::vector<float> weight_f32(const at::Tensor& w) {
     return std::vector<float>(p, p + wf.numel());
 }
 
+// A norm weight as float32 values: read in place when it is contiguous float32 (no copy, no
+// dispatcher call), else converted into an owned copy.
+struct WeightF32 {
+    std::vector<float> own;
+    const float* p = nullptr;
+    explicit WeightF32(const at::Tensor& w) {
+        if (w.scalar_type() == at::kFloat && w.is_contiguous()) p = w.data_ptr<float>();
+        else { own = weight_f32(w); p = own.data(); }
+    }
+    const float* data() const { return p; }
+};
+
 void check_cpu(const at::Tensor& t, const char* op, const char* name) {
     TORCH_CHECK(t.device().is_cpu(), "hanzo_cpu.", op, ": ", name, " must be a CPU tensor");
 }
@@ -110,17 +122,24 @@ inline void norm_row(const float* x, const float* w, float eps, int64_t H, float
 // ---------------------------------------------------------------------------------------------
 // rms_norm / add_rms_norm
 // ---------------------------------------------------------------------------------------------
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+// out: where the result goes (a defined tensor of x's shape and dtype, contiguous), else a new one.
+at::Tensor rms_norm_out(const at::Tensor& x_in, const at::Tensor& w, double eps, const at::Tensor* out) {
     check_cpu(x_in, "rms_norm", "x");
     TORCH_CHECK(w.dim() == 1 && x_in.dim() >= 1 && w.size(0) == x_in.size(-1), "hanzo_cpu.rms_norm: w must be [H]");
     const at::Tensor x = x_in.contiguous();
-    at::Tensor y = at::empty_like(x);
+    at::Tensor y = out ? *out : at::empty_like(x);
     const int64_t H = x.size(-1), R = H ? x.numel() / H : 0;
-    const std::vector<float> wf = weight_f32(w);
+    const WeightF32 wf(w);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "hanzo_cpu_rms_norm", [&] {
         const scalar_t* xp = x.data_ptr<scalar_t>();
         scalar_t* yp = y.data_ptr<scalar_t>();
         for_rows(R, H, [&](int64_t r0, int64_t r1) {
+            if constexpr (std::is_same_v<scalar_t, float>) {  // float32 rows are normed in place, no copy
+                const float* xf = reinterpret_cast<const float*>(xp);
+                float* yf = reinterpret_cast<float*>(yp);
+                for (int64_t r = r0; r < r1; ++r) norm_row(xf + r * H, wf.data(), static_cast<float>(eps), H, yf + r * H);
+                return;
+            }
             std::vector<float> buf(H);
             for (int64_t r = r0; r < r1; ++r) {
                 for (int64_t i = 0; i < H; ++i) buf[i] = ld(xp[r * H + i]);
@@ -132,22 +151,36 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
     return y;
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& r_in, const at::Tensor& w,
-                                                double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm_out(x, w, eps, nullptr); }
+
+// y_out / s_out: where the results go (defined, x's shape and dtype, contiguous), else new tensors.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_out(const at::Tensor& x_in, const at::Tensor& r_in, const at::Tensor& w,
+                                                    double eps, const at::Tensor* y_out, const at::Tensor* s_out) {
     check_cpu(x_in, "add_rms_norm", "x");
     TORCH_CHECK(x_in.sizes() == r_in.sizes() && x_in.scalar_type() == r_in.scalar_type(),
                 "hanzo_cpu.add_rms_norm: x and residual must match");
     TORCH_CHECK(w.dim() == 1 && x_in.dim() >= 1 && w.size(0) == x_in.size(-1), "hanzo_cpu.add_rms_norm: w must be [H]");
     const at::Tensor x = x_in.contiguous(), res = r_in.contiguous();
-    at::Tensor y = at::empty_like(x), s = at::empty_like(x);
+    at::Tensor y = y_out ? *y_out : at::empty_like(x), s = s_out ? *s_out : at::empty_like(x);
     const int64_t H = x.size(-1), R = H ? x.numel() / H : 0;
-    const std::vector<float> wf = weight_f32(w);
+    const WeightF32 wf(w);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "hanzo_cpu_add_rms_norm", [&] {
         const scalar_t* xp = x.data_ptr<scalar_t>();
         const scalar_t* rp = res.data_ptr<scalar_t>();
         scalar_t* yp = y.data_ptr<scalar_t>();
         scalar_t* sp = s.data_ptr<scalar_t>();
         for_rows(R, 3 * H, [&](int64_t r0, int64_t r1) {
+            if constexpr (std::is_same_v<scalar_t, float>) {  // float32: the sum is normed where it is stored
+                const float* xf = reinterpret_cast<const float*>(xp);
+                const float* rf = reinterpret_cast<const float*>(rp);
+                float* sf = reinterpret_cast<float*>(sp);
+                float* yf = reinterpret_cast<float*>(yp);
+                for (int64_t r = r0; r < r1; ++r) {
+                    for (int64_t i = 0; i < H; ++i) sf[r * H + i] = xf[r * H + i] + rf[r * H + i];
+                    norm_row(sf + r * H, wf.data(), static_cast<float>(eps), H, yf + r * H);
+                }
+                return;
+            }
             std::vector<float> buf(H);
             for (int64_t r = r0; r < r1; ++r) {
                 for (int64_t i = 0; i < H; ++i) {
@@ -162,6 +195,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
         });
     });
     return {y, s};
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
+                                                double eps) {
+    return add_rms_norm_out(x, r, w, eps, nullptr, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -202,10 +240,11 @@ at::Tensor swiglu(const at::Tensor& g_in, const at::Tensor& u_in) {
 // ---------------------------------------------------------------------------------------------
 at::Tensor positions_long(const at::Tensor& p) { return p.to(at::kLong).contiguous(); }
 
-std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                const std::optional<at::Tensor>& q_w,
-                                                const std::optional<at::Tensor>& k_w, const at::Tensor& positions,
-                                                double theta, double eps) {
+// q_out: where the rotated q goes (defined, q's shape and dtype, contiguous), else a new tensor.
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope_out(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                    const std::optional<at::Tensor>& q_w,
+                                                    const std::optional<at::Tensor>& k_w, const at::Tensor& positions,
+                                                    double theta, double eps, const at::Tensor* q_out) {
     check_cpu(q_in, "qk_norm_rope", "q");
     TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && q_in.scalar_type() == k_in.scalar_type(),
                 "hanzo_cpu.qk_norm_rope: q and k must be [B, T, H, D] of one dtype");
@@ -223,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q_in, const at
         kwf = weight_f32(*k_w);
     }
     const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), pos = positions_long(positions);
-    at::Tensor qo = at::empty_like(q), ko = at::empty_like(k);
+    at::Tensor qo = q_out ? *q_out : at::empty_like(q), ko = at::empty_like(k);
     const int64_t half = D / 2;
     // inv_freq[i] = 1 / theta^(2i/D), every step in float32 as the reference (torch) computes it
     std::vector<float> inv_freq(half);
@@ -263,6 +302,13 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q_in, const at
         });
     });
     return {qo, ko};
+}
+
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k,
+                                                const std::optional<at::Tensor>& q_w,
+                                                const std::optional<at::Tensor>& k_w, const at::Tensor& positions,
+                                                double theta, double eps) {
+    return qk_norm_rope_out(q, k, q_w, k_w, positions, theta, eps, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -934,13 +980,20 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_
 // qk_norm_rope, then kv_cache_write of the rotated k (rounded to the activation dtype, as the
 // two ops give it) and of v. Both kernels run inline at decode sizes (for_rows), so this adds no
 // parallel region; it saves the dispatcher round trip of the second op.
+at::Tensor qk_norm_rope_kv_write_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const std::optional<at::Tensor>& q_w, const std::optional<at::Tensor>& k_w,
+                                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& positions, double theta,
+                                     double eps, const at::Tensor* q_out) {
+    auto qk = qk_norm_rope_out(q, k, q_w, k_w, positions, theta, eps, q_out);
+    kv_cache_write(k_cache, v_cache, std::get<1>(qk), v, positions);
+    return std::get<0>(qk);
+}
+
 at::Tensor qk_norm_rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& q_w, const std::optional<at::Tensor>& k_w,
                                  at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& positions, double theta,
                                  double eps) {
-    auto qk = qk_norm_rope(q, k, q_w, k_w, positions, theta, eps);
-    kv_cache_write(k_cache, v_cache, std::get<1>(qk), v, positions);
-    return std::get<0>(qk);
+    return qk_norm_rope_kv_write_out(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1346,8 +1399,9 @@ int64_t set_attention_decode(int64_t path) {
     return g_attn_decode.exchange(path);
 }
 
-at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::Tensor& vc_in,
-                     const at::Tensor& positions, double scale) {
+// out: where the result goes (defined, float32 [B, T, Hq, D] contiguous; float32 q only), else a new tensor.
+at::Tensor attention_out(const at::Tensor& q_in, const at::Tensor& kc_in, const at::Tensor& vc_in,
+                         const at::Tensor& positions, double scale, const at::Tensor* out_in) {
     check_cpu(q_in, "attention", "q");
     TORCH_CHECK(q_in.dim() == 4 && kc_in.dim() == 4 && kc_in.sizes() == vc_in.sizes(),
                 "hanzo_cpu.attention: q [B, T, Hq, D] and caches [B, S, Hk, D] (q8_0: [B, S, Hk, D/32*34]) expected");
@@ -1370,8 +1424,9 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::
         live = std::max(live, pp[i] + 1);
     }
     // Only the live prefix [0, live) of each cache is read.
-    const at::Tensor q = q_in.to(at::kFloat).contiguous();
-    at::Tensor out = at::empty({B, T, Hq, D}, q.options());
+    const at::Tensor q = q_in.scalar_type() == at::kFloat ? q_in.contiguous() : q_in.to(at::kFloat).contiguous();
+    TORCH_CHECK(!out_in || qt == at::kFloat, "hanzo_cpu.attention: an output buffer needs float32 q");
+    at::Tensor out = out_in ? *out_in : at::empty({B, T, Hq, D}, q.options());
     if (B * T * Hq > 0 && D > 0) {
         const bool flash = g_attn_prefill.load(std::memory_order_relaxed) == kPrefillFlash;
         if (!flash && T >= kAttnTileMinT) {
@@ -1392,6 +1447,11 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& kc_in, const at::
         }
     }
     return qt == at::kFloat ? out : out.to(qt);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& positions,
+                     double scale) {
+    return attention_out(q, kc, vc, positions, scale, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1447,6 +1507,25 @@ void hz_silu_mul(const float* g, const float* u, float* y, int64_t n) {
         const float e = x > -87.3f ? std::exp(x) : 0.0f;
         y[i] = a * ((std::signbit(a) ? e : 1.0f) / (1.0f + e)) * u[i];
     }
+}
+
+// Entry points with output buffers for the CPU graphs' nodes (ops.cpp, declared in graph.h).
+at::Tensor hz_rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& out) {
+    return rms_norm_out(x, w, eps, &out);
+}
+void hz_add_rms_norm_out(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps,
+                         const at::Tensor& y, const at::Tensor& s) {
+    add_rms_norm_out(x, r, w, eps, &y, &s);
+}
+void hz_qk_norm_rope_kv_write_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::optional<at::Tensor>& q_w, const std::optional<at::Tensor>& k_w,
+                                  const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& positions,
+                                  double theta, double eps, const at::Tensor& q_out) {
+    qk_norm_rope_kv_write_out(q, k, v, q_w, k_w, k_cache, v_cache, positions, theta, eps, &q_out);
+}
+void hz_attention_out(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& positions,
+                      double scale, const at::Tensor& out) {
+    attention_out(q, kc, vc, positions, scale, &out);
 }
 
 TORCH_LIBRARY(hanzo_cpu, m) {

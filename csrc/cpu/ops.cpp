@@ -24,6 +24,7 @@
 #include "hz_api.h"
 #include "threading.h"
 #include "hz_ops.h"
+#include "graph.h"
 
 extern "C" {
 const int8_t* hz_tables[HZ_N_TABLES] = {};
@@ -113,13 +114,16 @@ struct QuantAct {
     HzAct view;
 };
 
-QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
+// Quantizes x2 [M, K] float32 into r, whose buffers are reused when they have this shape (a CPU
+// graph's node keeps one QuantAct per activation across replays) and allocated otherwise.
+QuantAct& quantize_act_into(const HzIsa* isa, const torch::Tensor& x2, int64_t qa, QuantAct& r) {
     const int64_t M = x2.size(0), K = x2.size(1);
-    QuantAct r;
-    r.q = torch::empty({M, K}, torch::kInt8);
-    r.d = torch::empty({M, K / qa}, torch::kFloat32);
-    r.s = torch::empty({M, K / 16}, torch::kInt16);
-    r.sf = torch::empty({M, K / 16}, torch::kFloat32);
+    if (!r.q.defined() || r.q.size(0) != M || r.q.size(1) != K || r.d.size(1) != K / qa) {
+        r.q = torch::empty({M, K}, torch::kInt8);
+        r.d = torch::empty({M, K / qa}, torch::kFloat32);
+        r.s = torch::empty({M, K / 16}, torch::kInt16);
+        r.sf = torch::empty({M, K / 16}, torch::kFloat32);
+    }
     const float* x = x2.data_ptr<float>();
     int8_t* q = r.q.data_ptr<int8_t>();
     float* d = r.d.data_ptr<float>();
@@ -133,6 +137,23 @@ QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
     r.view = HzAct{q, d, s, sf, K, qa};
     return r;
 }
+
+QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
+    QuantAct r;
+    quantize_act_into(isa, x2, qa, r);
+    return r;
+}
+
+// Buffers a CPU graph's node keeps across replays (graph.h): the quantized activations, one per
+// block size, and swiglu_mul_mat's projections. Null in eager calls: the op allocates them.
+struct OpScratch {
+    std::vector<QuantAct> qa;
+    torch::Tensor gu;
+    QuantAct& slot(size_t i) {
+        if (qa.size() <= i) qa.resize(i + 1);
+        return qa[i];
+    }
+};
 
 // Row-interleaved panels of packed weights (kernels_panels.h), built at load (pack_panels) and
 // registered by the address of the weight's rows. An entry serves an op's weight only while it is the
@@ -289,6 +310,7 @@ torch::Tensor check_x(const torch::Tensor& x, int64_t K_expected, const char* op
     TORCH_CHECK(x.device().is_cpu(), op, ": x must be a CPU tensor");
     TORCH_CHECK(x.is_floating_point(), op, ": x must be floating point, got ", x.scalar_type());
     TORCH_CHECK(x.size(-1) == K_expected, op, ": x has ", x.size(-1), " features, the weight has ", K_expected);
+    if (x.scalar_type() == torch::kFloat32 && x.is_contiguous()) return x;
     return x.to(torch::kFloat32).contiguous();
 }
 
@@ -298,8 +320,10 @@ int64_t infer_k(const HzFormatKernels& fk, int64_t rb, const char* op) {
     return rb / fk.bytes * fk.qk;
 }
 
-// x [M, K] float, w uint8 [N, rb] -> [M, N] float32
-torch::Tensor mul_mat(torch::Tensor x, torch::Tensor w, int64_t type_id, int64_t isa_level, int64_t mv_max) {
+// x [M, K] float, w uint8 [N, rb] -> [M, N] float32. out: the result's buffer (float32 [M, N],
+// contiguous) instead of a new tensor; scratch: reused activation buffers (both for graph nodes).
+torch::Tensor mul_mat(torch::Tensor x, torch::Tensor w, int64_t type_id, int64_t isa_level, int64_t mv_max,
+                      const torch::Tensor* out = nullptr, OpScratch* scratch = nullptr) {
     const HzIsa* isa = isa_table(isa_level);
     const HzFormatKernels& fk = format_kernels(isa, type_id);
     check_grid(type_id);
@@ -310,10 +334,11 @@ torch::Tensor mul_mat(torch::Tensor x, torch::Tensor w, int64_t type_id, int64_t
     const int64_t N = w.size(0), rb = w.size(1), K = infer_k(fk, rb, "mul_mat");
     torch::Tensor xf = check_x(x, K, "mul_mat");
     const int64_t M = xf.size(0);
-    torch::Tensor y = torch::empty({M, N}, torch::kFloat32);
+    torch::Tensor y = out ? *out : torch::empty({M, N}, torch::kFloat32);
     if (M == 0 || N == 0) return y;
     if (K == 0) return y.zero_();
-    QuantAct qa = quantize_act(isa, xf, fk.qk);
+    QuantAct own;
+    const QuantAct& qa = quantize_act_into(isa, xf, fk.qk, scratch ? scratch->slot(0) : own);
     run_matmul(fk, w.data_ptr<uint8_t>(), rb, N, qa.view, M, y.data_ptr<float>(), N, mv_max,
                fk.matvec_panels && M <= mv_max ? panels_for(w, type_id) : nullptr);
     return y;
@@ -326,8 +351,10 @@ torch::Tensor mul_mat(torch::Tensor x, torch::Tensor w, int64_t type_id, int64_t
 // the op has one fork-join instead of three (two mul_mat and a swiglu).
 // round_to: 0 keeps the float32 projections; 1 / 2 rounds them to bfloat16 / float16 before the
 // epilogue, as the unfused ops do for activations of that dtype (bit-identical results).
+// out, scratch: as mul_mat's.
 torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu, int64_t tg, int64_t tu,
-                             int64_t isa_level, int64_t mv_max, int64_t round_to) {
+                             int64_t isa_level, int64_t mv_max, int64_t round_to, const torch::Tensor* out = nullptr,
+                             OpScratch* scratch = nullptr) {
     const HzIsa* isa = isa_table(isa_level);
     const HzFormatKernels& fg = format_kernels(isa, tg);
     const HzFormatKernels& fu = format_kernels(isa, tu);
@@ -345,14 +372,14 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
     TORCH_CHECK(infer_k(fu, rbu, "swiglu_mul_mat") == K, "swiglu_mul_mat: w_gate and w_up rows hold different K");
     torch::Tensor xf = check_x(x, K, "swiglu_mul_mat");
     const int64_t M = xf.size(0);
-    torch::Tensor y = torch::empty({M, F}, torch::kFloat32);
+    torch::Tensor y = out ? *out : torch::empty({M, F}, torch::kFloat32);
     if (M == 0 || F == 0) return y;
     if (K == 0) return y.zero_();
-    QuantAct qg = quantize_act(isa, xf, fg.qk);
-    QuantAct qu_own;
+    QuantAct qg_own, qu_own;
     const bool share = fu.qk == fg.qk;
-    if (!share) qu_own = quantize_act(isa, xf, fu.qk);
-    const HzAct& au = share ? qg.view : qu_own.view;
+    if (scratch) scratch->slot(1);  // both slots exist before references to them are taken
+    const QuantAct& qg = quantize_act_into(isa, xf, fg.qk, scratch ? scratch->slot(0) : qg_own);
+    const HzAct& au = share ? qg.view : quantize_act_into(isa, xf, fu.qk, scratch ? scratch->slot(1) : qu_own).view;
     const bool mv = M <= mv_max;
     hz_matmul_fn fng = mv ? fg.matvec : fg.gemm, fnu = mv ? fu.matvec : fu.gemm;
     const RowSplit split(F, rbg + rbu, mv, std::max<int64_t>(fg.gemm_nr, fu.gemm_nr));
@@ -379,7 +406,9 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
         // thread's own range is one contiguous stream (with 2 threads: one weight each). Whichever
         // of a range's two tasks finishes second runs its epilogue. Interleaving the two weights
         // within a task (gate's range, then up's) measured 12-16% slower from DRAM on Zen 4.
-        torch::Tensor gu = torch::empty({2, M, F}, torch::kFloat32);
+        torch::Tensor gu_own;
+        torch::Tensor& gu = scratch ? scratch->gu : gu_own;
+        if (!gu.defined() || gu.size(1) != M || gu.size(2) != F) gu = torch::empty({2, M, F}, torch::kFloat32);
         float* gp = gu.data_ptr<float>();
         const int64_t rows = split.chunk * split.tile, nt = (F + rows - 1) / rows;
         std::unique_ptr<std::atomic<int>[]> halves(new std::atomic<int>[nt]);
@@ -415,9 +444,12 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
 // the same bytes over all weights (RowSplit's sizes applied to the sum), so the small projections
 // share one fork-join instead of one each. Each row is computed by the same kernel as mul_mat's,
 // so the results are mul_mat's bits (the bias added in float32 after, as y + b).
+// outs, scratch: the results' buffers (float32 [M, N_i], contiguous) and reused activation
+// buffers, as mul_mat's out and scratch.
 std::vector<torch::Tensor> mul_mat_group(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> tids,
                                          std::vector<std::optional<torch::Tensor>> bs, int64_t isa_level,
-                                         int64_t mv_max) {
+                                         int64_t mv_max, const std::vector<torch::Tensor>* outs = nullptr,
+                                         OpScratch* scratch = nullptr) {
     const int64_t G = (int64_t)ws.size();
     TORCH_CHECK(G >= 1 && (int64_t)tids.size() == G && (int64_t)bs.size() == G,
                 "mul_mat_group: need as many formats and biases as weights");
@@ -443,18 +475,20 @@ std::vector<torch::Tensor> mul_mat_group(torch::Tensor x, std::vector<torch::Ten
     torch::Tensor xf = check_x(x, K, "mul_mat_group");
     const int64_t M = xf.size(0);
     std::vector<torch::Tensor> ys(G);
-    for (int64_t i = 0; i < G; ++i) ys[i] = torch::empty({M, ws[i].size(0)}, torch::kFloat32);
+    for (int64_t i = 0; i < G; ++i) ys[i] = outs ? (*outs)[i] : torch::empty({M, ws[i].size(0)}, torch::kFloat32);
     if (M == 0) return ys;
     if (K == 0) {
         for (int64_t i = 0; i < G; ++i) bs[i].has_value() ? ys[i].copy_(bs[i]->expand({M, ws[i].size(0)})) : ys[i].zero_();
         return ys;
     }
-    std::vector<QuantAct> qa;  // one per block size, in order of first use
+    OpScratch own;
+    std::vector<QuantAct>& qa = (scratch ? *scratch : own).qa;  // one per block size, in order of first use
     std::vector<int64_t> qa_of(G);
+    int64_t nqa = 0;
     for (int64_t i = 0; i < G; ++i) {
         int64_t j = 0;
-        while (j < (int64_t)qa.size() && qa[j].view.qa != fk[i]->qk) ++j;
-        if (j == (int64_t)qa.size()) qa.push_back(quantize_act(isa, xf, fk[i]->qk));
+        while (j < nqa && qa[j].view.qa != fk[i]->qk) ++j;
+        if (j == nqa) quantize_act_into(isa, xf, fk[i]->qk, (scratch ? *scratch : own).slot(nqa++));
         qa_of[i] = j;
     }
     auto add_bias = [&](int64_t i, int64_t n0, int64_t n1) {
@@ -589,8 +623,9 @@ torch::Tensor mul_mat_id(torch::Tensor x, torch::Tensor w, torch::Tensor ids, in
     return out;
 }
 
-// w uint8 [V, rb], ids int [n] -> float32 [n, K]
-torch::Tensor get_rows(torch::Tensor w, torch::Tensor ids, int64_t type_id, int64_t isa_level) {
+// w uint8 [V, rb], ids int [n] -> float32 [n, K]; out: the result's buffer (float32 [n, K], contiguous).
+torch::Tensor get_rows(torch::Tensor w, torch::Tensor ids, int64_t type_id, int64_t isa_level,
+                       const torch::Tensor* out_buf = nullptr) {
     const HzIsa* isa = isa_table(isa_level);
     const HzFormatKernels& fk = format_kernels(isa, type_id);
     check_grid(type_id);
@@ -598,12 +633,12 @@ torch::Tensor get_rows(torch::Tensor w, torch::Tensor ids, int64_t type_id, int6
                 "get_rows: w must be a 2-D uint8 CPU tensor [V, row_bytes]");
     w = w.contiguous();
     const int64_t V = w.size(0), rb = w.size(1), K = infer_k(fk, rb, "get_rows");
-    torch::Tensor id64 = ids.to(torch::kInt64).contiguous().reshape({-1});
+    torch::Tensor id64 = ids.scalar_type() == torch::kInt64 && ids.is_contiguous() ? ids : ids.to(torch::kInt64).contiguous();
     const int64_t n = id64.numel();
     const int64_t* idp = id64.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i)
         TORCH_CHECK_INDEX(idp[i] >= 0 && idp[i] < V, "get_rows: row id ", idp[i], " out of range [0, ", V, ")");
-    torch::Tensor out = torch::empty({n, K}, torch::kFloat32);
+    torch::Tensor out = out_buf ? *out_buf : torch::empty({n, K}, torch::kFloat32);
     float* o = out.data_ptr<float>();
     const uint8_t* wp = w.data_ptr<uint8_t>();
     auto fn = fk.dequant_row;
@@ -724,6 +759,22 @@ at::Tensor to_act(const at::Tensor& y, const at::Tensor& x, int64_t N) {
     return x.scalar_type() == at::kFloat ? r : r.to(x.scalar_type());
 }
 
+// CPU graph nodes (graph.h) of the kernels below. Each node keeps the op's input and output
+// tensors and redoes the op's work into the outputs, reading the current ISA level and row limit;
+// the activations must be float32 (the other dtypes' conversions allocate new tensors).
+bool graph_takes(const at::Tensor& x, const char* op) {
+    if (x.scalar_type() == at::kFloat) return true;
+    hz_graph_reject(op, std::string("a CPU graph takes float32 activations, got ") + c10::toString(x.scalar_type()));
+    return false;
+}
+
+// x as [M, K] at replay: the view taken at capture when it aliases x, else reshaped again.
+std::function<at::Tensor()> graph_rows(const at::Tensor& x) {
+    const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+    if (x2.is_alias_of(x)) return [x2]() { return x2; };
+    return [x]() { return x.reshape({-1, x.size(-1)}); };
+}
+
 // All positions in [0, S) (read on the host: these are CPU tensors).
 bool positions_in(const at::Tensor& pos, int64_t S) {
     if (pos.numel() == 1) {
@@ -744,6 +795,13 @@ at::Tensor mul_mat_cpu(const at::Tensor& x, const at::Tensor& w, c10::string_vie
         return ref.call(x, w, qtype);
     }
     at::Tensor y = mul_mat(as_2d(x), w, tid, g_isa.load(std::memory_order_relaxed), g_mv_max.load(std::memory_order_relaxed));
+    if (hz_graph_capturing() && graph_takes(x, "hanzo::mul_mat")) {
+        auto sc = std::make_shared<OpScratch>();
+        hz_graph_record("hanzo::mul_mat", [rows = graph_rows(x), w, tid, y, sc]() {
+            mul_mat(rows(), w, tid, g_isa.load(std::memory_order_relaxed), g_mv_max.load(std::memory_order_relaxed), &y,
+                    sc.get());
+        }, {y});
+    }
     return to_act(y, x, w.size(0));
 }
 
@@ -774,6 +832,13 @@ at::Tensor swiglu_mul_mat_cpu(const at::Tensor& x, const at::Tensor& wg, const a
     const auto d = x.scalar_type();
     at::Tensor y = swiglu_mul_mat(as_2d(x), wg, wu, tg, tu, g_isa.load(std::memory_order_relaxed),
                                   g_mv_max.load(std::memory_order_relaxed), d == at::kBFloat16 ? 1 : d == at::kHalf ? 2 : 0);
+    if (hz_graph_capturing() && graph_takes(x, "hanzo::swiglu_mul_mat")) {
+        auto sc = std::make_shared<OpScratch>();
+        hz_graph_record("hanzo::swiglu_mul_mat", [rows = graph_rows(x), wg, wu, tg, tu, y, sc]() {
+            swiglu_mul_mat(rows(), wg, wu, tg, tu, g_isa.load(std::memory_order_relaxed),
+                           g_mv_max.load(std::memory_order_relaxed), 0, &y, sc.get());
+        }, {y});
+    }
     return to_act(y, x, wg.size(0));
 }
 
@@ -804,6 +869,13 @@ std::vector<at::Tensor> mul_mat_group_cpu(const at::Tensor& x, at::TensorList w,
     std::vector<torch::Tensor> ws(w.begin(), w.end());
     std::vector<at::Tensor> ys = mul_mat_group(as_2d(x), ws, tids, bs, g_isa.load(std::memory_order_relaxed),
                                                g_mv_max.load(std::memory_order_relaxed));
+    if (hz_graph_capturing() && graph_takes(x, "hanzo::mul_mat_group")) {
+        auto sc = std::make_shared<OpScratch>();
+        hz_graph_record("hanzo::mul_mat_group", [rows = graph_rows(x), ws, tids, bs, ys, sc]() {
+            mul_mat_group(rows(), ws, tids, bs, g_isa.load(std::memory_order_relaxed),
+                          g_mv_max.load(std::memory_order_relaxed), &ys, sc.get());
+        }, ys);
+    }
     for (int64_t i = 0; i < G; ++i) ys[i] = to_act(ys[i], x, w[i].size(0));
     return ys;
 }
@@ -819,6 +891,14 @@ at::Tensor get_rows_cpu(const at::Tensor& w, const at::Tensor& ids, c10::string_
         return ref.call(w, ids, qtype, dtype);
     }
     at::Tensor rows = get_rows(w, ids.reshape({-1}), tid, g_isa.load(std::memory_order_relaxed));
+    if (hz_graph_capturing()) {
+        if (dtype != at::kFloat)
+            hz_graph_reject("hanzo::get_rows", std::string("a CPU graph takes float32 rows, got ") + c10::toString(dtype));
+        else
+            hz_graph_record("hanzo::get_rows", [w, ids, tid, rows]() {
+                get_rows(w, ids.reshape({-1}), tid, g_isa.load(std::memory_order_relaxed), &rows);
+            }, {rows});
+    }
     std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
     shape.push_back(rows.size(-1));
     rows = rows.view(shape);
@@ -876,7 +956,10 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps) {
         return ref.call(x, w, eps);
     }
     static auto op = ref_op<NormSig>("hanzo_cpu::rms_norm");
-    return op.call(x, w, eps);
+    at::Tensor y = op.call(x, w, eps);
+    if (hz_graph_capturing())
+        hz_graph_record("hanzo::rms_norm", [x, w, eps, y]() { hz_rms_norm_out(x, w, eps, y); }, {y});
+    return y;
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
@@ -887,7 +970,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const a
         return ref.call(x, r, w, eps);
     }
     static auto op = ref_op<AddNormSig>("hanzo_cpu::add_rms_norm");
-    return op.call(x, r, w, eps);
+    auto ys = op.call(x, r, w, eps);
+    if (hz_graph_capturing()) {
+        const at::Tensor y = std::get<0>(ys), s = std::get<1>(ys);
+        hz_graph_record("hanzo::add_rms_norm", [x, r, w, eps, y, s]() { hz_add_rms_norm_out(x, r, w, eps, y, s); },
+                        {y, s});
+    }
+    return ys;
 }
 
 std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -976,7 +1065,12 @@ at::Tensor qk_norm_rope_kv_write_cpu(const at::Tensor& q, const at::Tensor& k, c
         return ref.call(q, k, v, qw, kw, kc, vc, pos, theta, eps);
     }
     static auto op = ref_op<QkKvCpuSig>("hanzo_cpu::qk_norm_rope_kv_write");
-    return op.call(q, k, v, qw, kw, kc, vc, pos, theta, eps);
+    at::Tensor qo = op.call(q, k, v, qw, kw, kc, vc, pos, theta, eps);
+    if (hz_graph_capturing())
+        hz_graph_record("hanzo::qk_norm_rope_kv_write", [q, k, v, qw, kw, kc, vc, pos, theta, eps, qo]() {
+            hz_qk_norm_rope_kv_write_out(q, k, v, qw, kw, kc, vc, pos, theta, eps, qo);
+        }, {qo, kc, vc});
+    return qo;
 }
 
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
@@ -994,7 +1088,11 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& kc, const at::Te
         return ref.call(q, kc, vc, pos, scale, impl);
     }
     static auto op = ref_op<AttnSig>("hanzo_cpu::attention");
-    return op.call(q, kc, vc, pos, scale);
+    at::Tensor o = op.call(q, kc, vc, pos, scale);
+    if (hz_graph_capturing() && graph_takes(q, "hanzo::attention"))
+        hz_graph_record("hanzo::attention", [q, kc, vc, pos, scale, o]() { hz_attention_out(q, kc, vc, pos, scale, o); },
+                        {o});
+    return o;
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_route_cpu(const at::Tensor& logits, c10::SymInt sym_k, bool normalize) {
@@ -1086,11 +1184,21 @@ std::vector<std::string> native_ops() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "hanzo-torch CPU kernels (int8 dot products over ggml block formats)";
-    m.def("mul_mat", &mul_mat, "x [M,K] @ W[N,K]^T -> [M,N] f32");
-    m.def("mul_mat_group", &mul_mat_group, "x @ W_i^T (+ b_i) for several weights, one region -> [M,N_i] f32 each");
-    m.def("swiglu_mul_mat", &swiglu_mul_mat, "silu(x Wg^T) * (x Wu^T) -> [M,F] f32");
+    m.def("mul_mat", [](torch::Tensor x, torch::Tensor w, int64_t tid, int64_t isa, int64_t mv_max) {
+        return mul_mat(x, w, tid, isa, mv_max);
+    }, "x [M,K] @ W[N,K]^T -> [M,N] f32");
+    m.def("mul_mat_group", [](torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> tids,
+                              std::vector<std::optional<torch::Tensor>> bs, int64_t isa, int64_t mv_max) {
+        return mul_mat_group(x, ws, tids, bs, isa, mv_max);
+    }, "x @ W_i^T (+ b_i) for several weights, one region -> [M,N_i] f32 each");
+    m.def("swiglu_mul_mat", [](torch::Tensor x, torch::Tensor wg, torch::Tensor wu, int64_t tg, int64_t tu, int64_t isa,
+                               int64_t mv_max, int64_t round_to) {
+        return swiglu_mul_mat(x, wg, wu, tg, tu, isa, mv_max, round_to);
+    }, "silu(x Wg^T) * (x Wu^T) -> [M,F] f32");
     m.def("mul_mat_id", &mul_mat_id, "indexed (MoE) mul_mat -> [T,k,N] f32");
-    m.def("get_rows", &get_rows, "rows of a packed weight -> [n,K] f32");
+    m.def("get_rows", [](torch::Tensor w, torch::Tensor ids, int64_t tid, int64_t isa) {
+        return get_rows(w, ids, tid, isa);
+    }, "rows of a packed weight -> [n,K] f32");
     m.def("dequantize_rows", &dequantize_rows, "packed [N,rb] -> [N,K] f32");
     m.def("quantize_activation", &quantize_activation, "x [M,K] -> int8 blocks (q, d, sums per 16)");
     m.def("set_table", &set_table, "install a constant table (i-quant grid) into its HzTableSlot");
@@ -1147,6 +1255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "mat-vec row limit of the registered kernels");
     m.def("set_isa", &dispatch::set_isa, "ISA level of the registered kernels: 0 scalar, 1 avx2, 2 avx512, 3 avx512-sim");
     m.def("native_ops", &dispatch::native_ops, "the hanzo ops with a kernel on the CPU dispatch key");
+    hz_graph_bind(m);
     m.def("formats", &formats, "(ggml type id, block size, block bytes) of every format with a kernel");
 }
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import torch
 
-__all__ = ["Backend", "ComputeDefaults", "Capture", "QUANT_OPS"]
+__all__ = ["Backend", "ComputeDefaults", "Capture", "CaptureRejected", "QUANT_OPS"]
 
 QUANT_OPS = ("dequantize", "get_rows", "mul_mat", "mul_mat_id", "swiglu_mul_mat")
 """The ``hanzo`` ops with a ggml format argument (the keys of ``Backend.op_formats``)."""
@@ -57,6 +57,16 @@ class Capture:
 
     replay: Callable[[], None]
     output: Any
+
+
+class CaptureRejected(RuntimeError):
+    """A capture that ran the call to completion eagerly, then found it cannot be replayed (the CPU
+    backend's graphs: an op a replay would skip). ``output`` is that eager run's result, valid for
+    the step it ran, so the caller need not run the step again."""
+
+    def __init__(self, message: str, output: Any):
+        super().__init__(message)
+        self.output = output
 
 
 class Backend:

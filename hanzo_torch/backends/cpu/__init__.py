@@ -69,13 +69,14 @@ from ... import constants as _constants
 from ...formats import FORMATS as _REGISTRY
 from . import rules as _rules
 from .. import _build
-from ..base import Backend, ComputeDefaults
+from ..base import Backend, Capture, CaptureRejected, ComputeDefaults
 
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "mul_mat_group", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
            "set_matvec512", "matvec512", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks",
-           "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2"]
+           "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2", "capture",
+           "GRAPHS"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
 _ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
@@ -91,9 +92,9 @@ MV_MAX_ROWS = _constants.CPU_MATVEC_MAX_ROWS
 _PKG_SRC = Path(__file__).resolve().parents[2] / "_csrc" / "cpu"
 _SRC_DIR = _PKG_SRC if _PKG_SRC.is_dir() else Path(__file__).resolve().parents[3] / "csrc" / "cpu"
 _SOURCES = ("ops.cpp", "threading.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_sim.cpp",
-            "fused.cpp")
+            "fused.cpp", "graph.cpp")
 _HEADERS = ("hz_api.h", "ggml_blocks.h", "format_list.h", "formats.h", "kernels.h", "kernels_matvec.h", "kernels_panels.h",
-            "kernels_gemm.h", "kernels_gemm512.h", "threading.h", "hz_ops.h", "../common/format_lookup.h",
+            "kernels_gemm.h", "kernels_gemm512.h", "threading.h", "hz_ops.h", "graph.h", "../common/format_lookup.h",
             "../common/hz_constants.h")
 
 
@@ -444,6 +445,54 @@ def dequantize(data: torch.Tensor, qtype: str, shape, dtype: torch.dtype, *, isa
 NAME = "cpu"
 DEVICE_TYPES = ("cpu",)
 
+GRAPHS = os.environ.get("HANZO_CPU_GRAPH", "1").strip().lower() not in ("0", "off", "false")
+"""Whether decode steps capture and replay a CPU graph (:func:`capture`; ``HANZO_CPU_GRAPH=0`` at
+import turns it off; assign in process for an A/B)."""
+
+
+def _outputs(out) -> list:
+    """The tensors of a captured call's result (a tensor, or a tuple / list / dict of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _outputs(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _outputs(o)]
+    return []
+
+
+def capture(fn, warmup: int = 1):
+    """Run ``fn()`` ``warmup`` times, then once more while its hanzo ops are recorded into a CPU
+    graph (csrc/cpu/graph.h): the kernels of those ops with their tensors bound, replayed from C++
+    with no Python, dispatcher or allocation between them. Returns ``(graph, out)``: ``out`` is
+    what the recorded call returned, and ``graph.replay()`` recomputes it in place from the current
+    contents of the tensors the call read (the ``[B, 1]`` token and position buffers of a decode
+    step). As with a CUDA graph, host decisions of the recorded call (Python branches, shapes, the
+    position checks of ``next_positions``) are not redone by a replay.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+        CaptureRejected: the call ran, but cannot be replayed (its ``output`` is the call's
+            result), with the reason: an op other than a hanzo op or a view ran (a copy, an add,
+            an in-place write), a hanzo op ran its reference or a path without a graph node
+            (non-float32 activations, an op with no node such as ``mul_mat_id``), or an output is
+            not written by a hanzo op.
+    """
+    ext = _ext_or_raise()
+    register()
+    for _ in range(max(0, warmup)):
+        fn()
+    ext.graph_begin()
+    try:
+        out = fn()
+    except BaseException:
+        ext.graph_abort()
+        raise
+    try:
+        return ext.graph_end(_outputs(out)), out
+    except RuntimeError as e:
+        raise CaptureRejected(str(e), out) from None
+
 
 def _configure(ext) -> None:
     """Hand the format table and ISA to the kernels registered on the CPU key (reference mode is
@@ -762,6 +811,15 @@ class CpuBackend(Backend):
 
     def status(self) -> dict:
         return status()
+
+    def graphs_supported(self, device) -> bool:
+        return GRAPHS and available()
+
+    def capture(self, device, fn, warmup: int) -> Capture:
+        # no warm-up: nothing compiles or allocates lazily on the host, and the recorded call is
+        # itself an eager run of fn
+        graph, out = capture(fn, 0)
+        return Capture(graph.replay, out)
 
 
 BACKEND = CpuBackend()
