@@ -238,7 +238,25 @@ at::Tensor swiglu(const at::Tensor& g_in, const at::Tensor& u_in) {
 // ---------------------------------------------------------------------------------------------
 // qk_norm_rope
 // ---------------------------------------------------------------------------------------------
-at::Tensor positions_long(const at::Tensor& p) { return p.to(at::kLong).contiguous(); }
+at::Tensor positions_long(const at::Tensor& p) {
+    return p.scalar_type() == at::kLong && p.is_contiguous() ? p : p.to(at::kLong).contiguous();
+}
+
+// inv_freq[i] = 1 / theta^(2i/D), i < D/2, every step in float32 as the reference (torch)
+// computes it; the last (theta, D) asked for on this thread is kept, since a model asks for one.
+const std::vector<float>& rope_inv_freq(float theta, int64_t D) {
+    thread_local float cached_theta = 0.0f;
+    thread_local std::vector<float> inv_freq;
+    if (cached_theta != theta || static_cast<int64_t>(inv_freq.size()) != D / 2) {
+        inv_freq.resize(static_cast<size_t>(D / 2));
+        for (int64_t i = 0; i < D / 2; ++i) {
+            const float e = static_cast<float>(2 * i) / static_cast<float>(D);
+            inv_freq[i] = 1.0f / std::pow(theta, e);
+        }
+        cached_theta = theta;
+    }
+    return inv_freq;
+}
 
 // q_out: where the rotated q goes (defined, q's shape and dtype, contiguous), else a new tensor.
 std::tuple<at::Tensor, at::Tensor> qk_norm_rope_out(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -255,22 +273,16 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_out(const at::Tensor& q_in, cons
                 "hanzo_cpu.qk_norm_rope: positions must be [B, T]");
     TORCH_CHECK(q_w.has_value() == k_w.has_value(), "hanzo_cpu.qk_norm_rope: give both norm weights or neither");
     const bool norm = q_w.has_value();
-    std::vector<float> qwf, kwf;
+    std::optional<WeightF32> qwf, kwf;
     if (norm) {
         TORCH_CHECK(q_w->numel() == D && k_w->numel() == D, "hanzo_cpu.qk_norm_rope: norm weights must be [D]");
-        qwf = weight_f32(*q_w);
-        kwf = weight_f32(*k_w);
+        qwf.emplace(*q_w);
+        kwf.emplace(*k_w);
     }
     const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), pos = positions_long(positions);
     at::Tensor qo = q_out ? *q_out : at::empty_like(q), ko = at::empty_like(k);
     const int64_t half = D / 2;
-    // inv_freq[i] = 1 / theta^(2i/D), every step in float32 as the reference (torch) computes it
-    std::vector<float> inv_freq(half);
-    const float theta_f = static_cast<float>(theta);
-    for (int64_t i = 0; i < half; ++i) {
-        const float e = static_cast<float>(2 * i) / static_cast<float>(D);
-        inv_freq[i] = 1.0f / std::pow(theta_f, e);
-    }
+    const std::vector<float>& inv_freq = rope_inv_freq(static_cast<float>(theta), D);
     const int64_t* pp = pos.data_ptr<int64_t>();
     const float eps_f = static_cast<float>(eps);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "hanzo_cpu_qk_norm_rope", [&] {
@@ -280,9 +292,9 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_out(const at::Tensor& q_in, cons
         scalar_t* kop = ko.data_ptr<scalar_t>();
         for_rows(B * T, (Hq + Hk) * D * 2, [&](int64_t r0, int64_t r1) {
             std::vector<float> cs(half), sn(half), buf(D);
-            auto rotate = [&](const scalar_t* src, scalar_t* dst, const std::vector<float>& w) {
+            auto rotate = [&](const scalar_t* src, scalar_t* dst, const std::optional<WeightF32>& w) {
                 for (int64_t i = 0; i < D; ++i) buf[i] = ld(src[i]);
-                if (norm) norm_row(buf.data(), w.data(), eps_f, D, buf.data());
+                if (norm) norm_row(buf.data(), w->data(), eps_f, D, buf.data());
                 for (int64_t i = 0; i < half; ++i) {
                     const float x1 = buf[i], x2 = buf[i + half];
                     dst[i] = st<scalar_t>(x1 * cs[i] - x2 * sn[i]);

@@ -4,6 +4,7 @@
 #include <ATen/record_function.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -21,6 +22,17 @@ struct Graph {
     std::vector<Node> nodes;
     void replay() const {
         for (const Node& n : nodes) n.run();
+    }
+    // One replay, timed node by node: wall nanoseconds of each node, in order (a node's time
+    // includes its parallel region, so a mat-vec node's is its weight read plus its serial work).
+    std::vector<int64_t> replay_timed() const {
+        std::vector<int64_t> ns(nodes.size());
+        for (size_t i = 0; i < nodes.size(); ++i) {
+            const auto t0 = std::chrono::steady_clock::now();
+            nodes[i].run();
+            ns[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+        }
+        return ns;
     }
     std::vector<std::string> ops() const {
         std::vector<std::string> r;
@@ -172,6 +184,8 @@ void hz_graph_bind(pybind11::module_& m) {
     py::class_<Graph, std::shared_ptr<Graph>>(m, "CpuGraph", "A captured CPU graph (csrc/cpu/graph.h)")
         .def("replay", &Graph::replay, py::call_guard<py::gil_scoped_release>(),
              "run the captured kernels again on the current contents of their tensors")
+        .def("replay_timed", &Graph::replay_timed, py::call_guard<py::gil_scoped_release>(),
+             "replay once, timing each node: wall ns per node, in the order of ops")
         .def_property_readonly("ops", &Graph::ops, "the hanzo op of each node, in order")
         .def("__len__", [](const Graph& g) { return g.nodes.size(); });
     m.def("graph_begin", &begin, "start capturing the hanzo ops called on this thread into a CPU graph");
