@@ -3,7 +3,7 @@
     python benchmarks/bench_model.py [--model PATH] [--threads 2] [--reps 3]
         [--rows pp128,pp512,pp2048,tg128,tg32@d2048,tg32@d4096]
         [--llama-bench PATH ...] [--llama-args FLAGS] [--ik-llama-bench PATH [--ik-args="-rtr 1"]] [--no-llama-cpp] [--attention-ab] [--threads-ab] [--busy N]
-        [--busy-kind spin|matmul] [--matvec-ab] [--panels-ab] [--prefetch-ab] [--repack-ab] [--group-ab] [--ranged-ab] [--mmap-ab] [--decode-attention-ab] [--profile]
+        [--busy-kind spin|matmul] [--matvec-ab] [--panels-ab] [--graph-ab] [--prefetch-ab] [--repack-ab] [--group-ab] [--ranged-ab] [--mmap-ab] [--decode-attention-ab] [--profile]
         [--kv-dtype auto|f32|f16|bf16|q8_0]
 
 Engines, run alternately on the same GGUF file with the same thread count (one measurement of each
@@ -51,6 +51,10 @@ average is printed with every round.
 ``--matvec-ab`` adds our model once more with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows
 (``set_matvec512(False)``, what ``HANZO_CPU_MATVEC512=0`` gives), same weights, alternating; its
 ratio column is 512-bit / 256-bit rows.
+
+``--graph-ab`` adds our model once more decoding eagerly, a Python forward per token, instead of
+replaying the decode step's captured CPU graph (what ``HANZO_CPU_GRAPH=0`` gives), same weights,
+alternating; its ratio column is graph / eager.
 
 ``--prefetch-ab`` adds our model once more with the mat-vec's weight prefetch into L1, 2 KiB ahead,
 instead of into L2, 8 KiB ahead (``set_prefetch_l2(False)``, what ``HANZO_CPU_PREFETCH_L2=0``
@@ -153,9 +157,14 @@ class Hanzo:
         self.version = hanzo_torch.__version__
         self.model = hanzo_torch.load(path, max_context=n_ctx, kv_dtype=kv_dtype, mmap=mmap)
         self.mapped = all(self.model.gguf.maps(w.packed) for w in _packed_weights(self.model))
+        self.graph = True  # decode steps through a captured graph where the backend has them (generate's default)
 
     def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
-        """Tokens/s of ``row``: ``ctx`` fed untimed, then ``ids`` (pp) or ``row.n`` decode steps (tg)."""
+        """Tokens/s of ``row``: ``ctx`` fed untimed, then ``ids`` (pp) or ``row.n`` decode steps (tg),
+        each through ``generate``'s decode step (a CPU graph's replay unless :attr:`graph` is False;
+        the capture, on the first step of the first measurement, runs untimed)."""
+        from hanzo_torch.decode_graphs import DecodeStep
+
         m = self.model
         m.reset()
         with torch.inference_mode():
@@ -167,9 +176,16 @@ class Hanzo:
                 m(torch.tensor([ids]), last_only=True)
                 return row.n / (time.perf_counter() - t0)
             tok = logits[:, -1].argmax(-1, keepdim=True)
+            step = DecodeStep(m, 1, m.device, cuda_graph=self.graph, last_only=True)
+            step.input_ids.copy_(tok)
+            step.positions.fill_(len(ctx))
+            if step.use_graph and step._captured is None:
+                step()  # the capture: the first timed step's own work, done again by it
             t0 = time.perf_counter()
-            for _ in range(row.n):
-                tok = m(tok, last_only=True)[:, -1].argmax(-1, keepdim=True)
+            for i in range(row.n):
+                step.input_ids.copy_(tok)
+                step.positions.fill_(len(ctx) + i)
+                tok = step()[:, -1].argmax(-1, keepdim=True)
             return row.n / (time.perf_counter() - t0)
 
 
@@ -265,6 +281,23 @@ class HanzoSwitchedOff:
             return self.ours.measure(row, ctx, ids)
         finally:
             self.set(on)
+
+
+class HanzoEager:
+    """The same loaded model decoding eagerly, each step a Python forward, instead of replaying the
+    captured CPU graph (``--graph-ab``; ``HANZO_CPU_GRAPH=0``, ``--no-graph`` on the command line)."""
+
+    name = "hanzo-torch (eager decode)"
+
+    def __init__(self, ours: Hanzo):
+        self.ours, self.version = ours, ours.version
+
+    def measure(self, row: Row, ctx: list[int], ids: list[int]) -> float:
+        self.ours.graph = False
+        try:
+            return self.ours.measure(row, ctx, ids)
+        finally:
+            self.ours.graph = True
 
 
 class HanzoApartQKV:
@@ -508,6 +541,8 @@ def main() -> None:
                     help="also run our model with the adaptive thread count off")
     ap.add_argument("--matvec-ab", action="store_true",
                     help="also run our model with the avx512 level's 256-bit Q4_K/Q6_K mat-vec rows")
+    ap.add_argument("--graph-ab", action="store_true",
+                    help="also run our model decoding eagerly instead of replaying the CPU graph (HANZO_CPU_GRAPH=0)")
     ap.add_argument("--prefetch-ab", action="store_true",
                     help="also run our model with the mat-vec's weight prefetch into L1 instead of L2 (HANZO_CPU_PREFETCH_L2=0)")
     ap.add_argument("--panels-ab", action="store_true",
@@ -548,6 +583,10 @@ def main() -> None:
         engines.append(HanzoFixedThreads(engines[0]))
     if args.matvec_ab:
         engines.append(HanzoSwitchedOff(engines[0], "matvec512"))
+    if args.graph_ab:
+        if not hcpu.GRAPHS:
+            ap.error("--graph-ab: CPU graphs are off (HANZO_CPU_GRAPH=0): both columns would be eager")
+        engines.append(HanzoEager(engines[0]))
     if args.prefetch_ab:
         if not hcpu.prefetch_l2():
             ap.error("--prefetch-ab: the L2 prefetch is off (HANZO_CPU_PREFETCH_L2=0): both columns would be the same")

@@ -154,7 +154,7 @@ class BatchEngine:
             the caller keeps other users off the model while the engine is in use (the server's
             worker thread owns it; :func:`generate_batch` holds the model's generate lock).
         n_slots: how many sequences decode at once (llama-server's ``-np``), >= 1.
-        cuda_graph: capture the decode step per batch size (CUDA/HIP, vulkan), as ``generate``.
+        cuda_graph: capture the decode step per batch size (CUDA/HIP, vulkan, the CPU), as ``generate``.
 
     Raises:
         TypeError: ``model`` has no ``kv_slots`` (not a hanzo-torch model).

@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-think", action="store_true", help="chat template enable_thinking=False (Qwen3)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     g.add_argument("--no-graph", action="store_true",
-                   help="decode eagerly on CUDA/HIP and vulkan (default: replay a captured decode graph)")
+                   help="decode eagerly (default: replay a captured decode graph on CUDA/HIP, vulkan and the CPU)")
     g.add_argument("--lora", action="append", default=[], metavar="FNAME",
                    help="apply a llama.cpp LoRA adapter GGUF (repeatable; needs the [train] extra: peft)")
     g.add_argument("--lora-scaled", action="append", default=[], nargs=2, metavar=("FNAME", "SCALE"),
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-r", "--repetitions", type=_positive_int, default=3, metavar="R", help="runs per test (default 3)")
     b.add_argument("--warmup", type=int, default=1, metavar="W", help="untimed runs before each test (default 1)")
     b.add_argument("--no-graph", action="store_true",
-                   help="tg: decode eagerly on CUDA/HIP and vulkan (default: replay a captured decode graph)")
+                   help="tg: decode eagerly (default: replay a captured decode graph on CUDA/HIP, vulkan and the CPU)")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching (llama-server's flags)")
     _add_debug(s, argparse.SUPPRESS)
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a slot; more get HTTP 503 (default 64)")
     s.add_argument("--alias", metavar="NAME", help="model name in the API (default: the file name)")
     s.add_argument("--no-graph", action="store_true",
-                   help="decode eagerly on CUDA/HIP and vulkan (default: replay a captured decode graph)")
+                   help="decode eagerly (default: replay a captured decode graph on CUDA/HIP, vulkan and the CPU)")
 
     e = sub.add_parser("export", help="write the prefill and decode step as a torch-mlir linalg-on-tensors module "
                                       "(needs the [mlir] extra)")

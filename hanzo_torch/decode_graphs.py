@@ -4,18 +4,22 @@ A decode step is ``model(input_ids[B, 1], positions=positions[B, 1], **kwargs)``
 inputs in preallocated device buffers that are written in place before each step. The step is
 captured once by the backend serving the device (``Backend.capture``: a ``torch.cuda.CUDAGraph``
 on CUDA/HIP, a ``torch.vulkan.VulkanGraph`` on ``"vulkan"``, one recorded command buffer
-submitted once per token) and replayed afterwards: the kernels, the KV cache addresses and the logits buffer are fixed at
+submitted once per token, a CPU graph of the step's C++ kernels on the CPU,
+:func:`hanzo_torch.backends.cpu.capture`) and replayed afterwards: the kernels, the KV cache addresses and the logits buffer are fixed at
 capture, and only the contents of the two input buffers change. This is
 correct only because the model reads the position from the ``positions`` tensor on the device
 (RoPE, KV-cache write, attention mask) and never from a Python value: a position baked in at
 capture would make every replay run at the warm-up position.
 
 :class:`DecodeStep` is what :func:`hanzo_torch.generation.generate` uses: eager where the
-backend has no graphs (CPU, ``cuda_graph=False``, ``HANZO_VK_GRAPH=0`` on vulkan), captured
-where it has (``hanzo_torch.cuda_graphs`` is an alias of this module). Captured
-graphs are cached on the model,
-keyed by batch size, forward keyword arguments and the addresses of the model's buffers (the KV
-caches): a cache reallocated by ``setup_cache`` invalidates them.
+backend has no graphs (``cuda_graph=False``, ``HANZO_VK_GRAPH=0`` on vulkan, ``HANZO_CPU_GRAPH=0``
+on the CPU), captured where it has (``hanzo_torch.cuda_graphs`` is an alias of this module).
+Captured graphs are cached on the model, keyed by batch size, forward keyword arguments, the
+addresses of the model's buffers (the KV caches) and its module tree with its hooks: a cache
+reallocated by ``setup_cache`` (whose old graph is then dropped), a layer swapped in (PEFT's LoRA
+layers) or a hook added make a new capture. Python attributes the forward reads (``attn_impl``,
+``ubatch``) are fixed at capture: call :func:`clear_graphs` after changing them. A capture that
+fails is remembered too, so a step that cannot be captured warns once and then runs eagerly.
 
 :func:`layer_probe` records each decoder layer's output into static buffers (also inside a
 captured graph), so a replay that differs from eager can be traced to the first layer that

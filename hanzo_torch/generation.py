@@ -9,7 +9,7 @@ Works with any causal LM module following the hanzo-torch model interface (:clas
 that interface (and ``model.generate``).
 
 The prompt is prefilled in one forward; each new token is then fed alone with its position in a
-preallocated ``[1, 1]`` device tensor (written in place). On CUDA/HIP and vulkan the decode step
+preallocated ``[1, 1]`` device tensor (written in place). On CUDA/HIP, vulkan and the CPU the decode step
 is captured once into a graph and replayed per token (:mod:`hanzo_torch.decode_graphs`; ``cuda_graph=False``
 turns it off); the prefill always runs eagerly.
 Sampling: :mod:`hanzo_torch.sampling`; prompts, stop strings and the result types:
@@ -234,10 +234,12 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
         tokenizer: overrides ``model.tokenizer`` (needed for text prompts, text output and stop
             strings).
         skip_special_tokens: leave control tokens out of the text.
-        cuda_graph: where the model's backend has graphs (CUDA/HIP, vulkan), capture the decode
-            step into a graph once (per batch size and KV cache) and replay it for every token;
-            ignored on other devices (on vulkan, ``HANZO_VK_GRAPH=0`` at import also turns it off). If
-            the capture fails, a RuntimeWarning says why and decode runs eagerly.
+        cuda_graph: where the model's backend has graphs (CUDA/HIP, vulkan, the CPU), capture the
+            decode step into a graph once (per batch size, KV cache and module tree) and replay it
+            for every token; ignored on other devices (``HANZO_VK_GRAPH=0`` / ``HANZO_CPU_GRAPH=0``
+            at import also turn it off). If the capture fails (on the CPU: anything but the hanzo
+            ops and views between them, as MoE and LoRA steps), a RuntimeWarning says why, once
+            per model and batch size, and decode runs eagerly.
 
         n_parallel: for a batch, the KV-cache slots decoded at once (default: one per prompt).
 

@@ -87,7 +87,7 @@ class ModelWorker:
         model: a loaded model (:func:`hanzo_torch.load`).
         n_parallel: KV-cache slots (sequences decoded at once), >= 1.
         max_queue: requests allowed to wait for a slot; more raise :class:`QueueFull`.
-        cuda_graph: capture the decode step per batch size on CUDA/HIP/vulkan.
+        cuda_graph: capture the decode step per batch size on CUDA/HIP/vulkan/the CPU.
     """
 
     def __init__(self, model: Any, n_parallel: int, max_queue: int = 64, cuda_graph: bool = True):

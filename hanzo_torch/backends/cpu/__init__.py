@@ -49,6 +49,11 @@ cores), probing the pool again now and then. Results are the same bits either wa
 ``HANZO_CPU_ADAPTIVE_THREADS=0`` (read when the kernels load) or :func:`set_adaptive_threads`
 turns it off; :func:`thread_stats` gives its counters.
 
+Graphs: :func:`capture` records a call's hanzo ops (a decode step, through
+:class:`hanzo_torch.decode_graphs.DecodeStep`) as a CPU graph of their C++ kernels with the tensors
+bound, replayed with no Python, dispatcher or allocation between them (csrc/cpu/graph.h);
+``HANZO_CPU_GRAPH=0`` at import (:data:`GRAPHS`) decodes eagerly.
+
 Accuracy: the activation quantization is the only approximation. For one output,
 ``|y - x @ w| <= sum_k |w_k| * d_k / 2`` plus float32 rounding, where ``d_k`` is the int8
 scale (block max / 127) of the block holding ``x_k`` (see tests/test_cpu_kernels.py).
