@@ -135,6 +135,7 @@ class DecodeStep:
         self.use_graph = bool(cuda_graph) and graphs_supported(self.device)
         self.graphed = False
         self._captured: Optional[CapturedDecode] = None
+        self._buffer_slots: Optional[list] = None  # (module._buffers, name, address at capture)
         key = (batch_size, tuple(sorted(kwargs.items())), _state_key(model)) if self.use_graph else None
         self._key = key
         if self.use_graph:
@@ -143,6 +144,7 @@ class DecodeStep:
                 self.use_graph = False
             elif cached is not None:
                 self._captured = cached
+                self._note_buffers()
                 self.input_ids, self.positions = cached.input_ids, cached.positions
                 return
         self.input_ids = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
@@ -157,7 +159,19 @@ class DecodeStep:
             if next_positions is not None:
                 next_positions(*self.positions.shape, self.positions)
 
+    def _note_buffers(self) -> None:
+        # each module's own buffers (the KV caches) and their addresses when the graph is taken up,
+        # listed once so that a step compares them in ~10 us (model.buffers() takes ~0.5 ms)
+        self._buffer_slots = [(m._buffers, name, b.data_ptr()) for m in self.model.modules()
+                              for name, b in m._buffers.items() if b is not None]
+
+    def _buffers_moved(self) -> bool:
+        # a buffer at another address: reallocated (setup_cache) while the graph writes the old one
+        return any(d.get(name) is None or d[name].data_ptr() != ptr for d, name, ptr in self._buffer_slots)
+
     def __call__(self) -> torch.Tensor:
+        if self._captured is not None and self._buffers_moved():
+            self._captured, self.use_graph, self.graphed = None, False, False  # eager from now on
         if self._captured is not None:
             self.graphed = True
             self._host_bookkeeping()
@@ -184,6 +198,7 @@ class DecodeStep:
             else:
                 graphs[self._key] = cap
                 self._captured = cap
+                self._note_buffers()
                 self.graphed = True
                 return cap.replay()
         return self.model(self.input_ids, positions=self.positions, **self.kwargs)

@@ -191,6 +191,24 @@ def test_switch_off_and_position_checks(files, monkeypatch):
             step()
 
 
+def test_a_step_whose_caches_were_reallocated_runs_eagerly(files):
+    model = hanzo_torch.load(files["qwen2"], max_context=16)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2]]))
+        step = DecodeStep(model, 1, torch.device("cpu"), last_only=True)
+        step.input_ids.fill_(3)
+        step.positions.fill_(2)
+        step()
+        assert step.graphed
+        model.reset()
+        model(torch.tensor([[1, 2], [1, 2]]))  # batch 2: new caches
+        model.reset()
+        model(torch.tensor([[1, 2]]))  # batch 1 again, in caches the graph does not write
+        ref = model(torch.tensor([[3]]), positions=torch.tensor([[2]]), last_only=True)
+        out = step()
+        assert not step.graphed and torch.equal(out, ref)
+
+
 def test_a_reallocated_cache_drops_the_old_graph(files):
     model = hanzo_torch.load(files["qwen2"], max_context=32)
     model.generate([1, 2], 3, temperature=0, ignore_eos=True)
