@@ -133,6 +133,17 @@ def tokenizer_metadata(full: bool = True) -> dict:
     return meta
 
 
+def write_small_vocab_models(root: str | os.PathLike, specs: dict, vocab: int) -> dict:
+    """``{arch: path}``: a tiny random-weight GGUF per ``arch: tiny_spec keyword arguments`` of
+    ``specs``, written in ``root``, whose vocabulary is the first ``vocab`` Qwen tokens (a small LM
+    head keeps many decode steps fast; the special ids point at the last of them)."""
+    meta = tokenizer_metadata(full=False)
+    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"][:vocab]
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id"):
+        meta[key] = vocab - 1
+    return {a: write_tiny_gguf(os.path.join(root, f"{a}.gguf"), tiny_spec(a, **s), meta) for a, s in specs.items()}
+
+
 def write_tiny_gguf(path: str | os.PathLike, spec: TinySpec, tokenizer_meta: Optional[dict] = None,
                     dense_twin: bool = False) -> str:
     """Write a random-weight GGUF of ``spec`` to ``path`` and return the path.

@@ -13,7 +13,7 @@ import torch
 import hanzo_torch
 from hanzo_torch.backends import cpu
 from hanzo_torch.decode_graphs import DecodeStep
-from tests.gguf_builders import tiny_spec, tokenizer_metadata, write_tiny_gguf
+from tests.gguf_builders import write_small_vocab_models
 from test_cpu_kernels import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built")
@@ -30,12 +30,7 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cpu_graph_models")
-    meta = tokenizer_metadata(full=False)
-    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"][:VOCAB]
-    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id"):
-        meta[key] = VOCAB - 1
-    return {a: write_tiny_gguf(root / f"{a}.gguf", tiny_spec(a, **s), meta) for a, s in SPECS.items()}
+    return write_small_vocab_models(tmp_path_factory.mktemp("cpu_graph_models"), SPECS, VOCAB)
 
 
 @pytest.fixture(autouse=True)

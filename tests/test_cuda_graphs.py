@@ -19,7 +19,7 @@ import torch
 
 import hanzo_torch
 from hanzo_torch.cuda_graphs import DecodeStep, layer_probe
-from tests.gguf_builders import tiny_spec, tokenizer_metadata, write_tiny_gguf
+from tests.gguf_builders import write_small_vocab_models
 
 N_TOKENS = 512  # decode steps compared per architecture
 PROMPT = 8
@@ -36,12 +36,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("graph_models")
-    meta = tokenizer_metadata(full=False)
-    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"][:VOCAB]
-    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id"):
-        meta[key] = VOCAB - 1
-    return {a: write_tiny_gguf(root / f"{a}.gguf", tiny_spec(a, **s), meta) for a, s in SPECS.items()}
+    return write_small_vocab_models(tmp_path_factory.mktemp("graph_models"), SPECS, VOCAB)
 
 
 @pytest.fixture(autouse=True)
