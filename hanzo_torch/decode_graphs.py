@@ -39,7 +39,8 @@ __all__ = ["DecodeStep", "CapturedDecode", "graphs_supported", "layer_probe", "c
 
 WARMUP_STEPS = 2
 """Eager steps run before capture (on CUDA on a side stream: Triton JIT compiles and caches
-format tables there, so nothing in the captured step allocates host memory or compiles)."""
+format tables there, so nothing in the captured step allocates host memory or compiles). The CPU
+backend runs none: its capture is itself an eager run of the step."""
 
 _CACHE_ATTR = "_hanzo_decode_graphs"
 _FAILED = object()  # the cache's entry for a step whose capture failed
@@ -48,7 +49,8 @@ _FAILED = object()  # the cache's entry for a step whose capture failed
 def graphs_supported(device: torch.device) -> bool:
     """True when the backend serving ``device`` can capture graphs there now
     (``Backend.graphs_supported``: a CUDA/HIP device with CUDA graphs; the ``"vulkan"`` device with
-    its backend available and ``hanzo_torch.backends.vulkan.GRAPHS`` on)."""
+    its backend available and ``hanzo_torch.backends.vulkan.GRAPHS`` on; the CPU with its C++
+    extension built and ``hanzo_torch.backends.cpu.GRAPHS`` on)."""
     from . import backends
 
     device = torch.device(device)
@@ -99,6 +101,7 @@ class CapturedDecode:
             self.device, lambda: model(input_ids, positions=positions, **kwargs), warmup)
         self._replay = cap.replay
         self.logits = cap.output
+        self.executed = cap.executed  # the capture ran the step, and logits hold its result
 
     def replay(self) -> torch.Tensor:
         """Run the captured step; returns the static logits buffer (overwritten by the next replay)."""
@@ -116,8 +119,9 @@ class DecodeStep:
             (the prefill does that).
         batch_size: B.
         device: where the model runs.
-        cuda_graph: capture and replay where the device's backend has graphs (CUDA/HIP, vulkan;
-            ignored elsewhere; on vulkan ``HANZO_VK_GRAPH=0`` at import turns it off too).
+        cuda_graph: capture and replay where the device's backend has graphs (CUDA/HIP, vulkan,
+            the CPU; ignored elsewhere; ``HANZO_VK_GRAPH=0`` on vulkan and ``HANZO_CPU_GRAPH=0`` on
+            the CPU, at import, turn it off too).
         kwargs: extra keyword arguments of every decode forward (``last_only=True``).
 
     Call :meth:`__call__` after writing ``input_ids`` and ``positions`` (in place) to get the
@@ -200,7 +204,7 @@ class DecodeStep:
                 self._captured = cap
                 self._note_buffers()
                 self.graphed = True
-                return cap.replay()
+                return cap.logits if getattr(cap, "executed", False) else cap.replay()
         return self.model(self.input_ids, positions=self.positions, **self.kwargs)
 
 

@@ -56,7 +56,8 @@ class GenerationStats:
 
         return (f"prefill: {self.prompt_tokens} tokens in {self.prefill_s:.2f} s "
                 f"({rate(self.prefill_tokens_per_s)}) | decode: {self.decode_steps} tokens in "
-                f"{self.decode_s:.2f} s ({rate(self.decode_tokens_per_s)}) | stop: {self.stop_reason}")
+                f"{self.decode_s:.2f} s ({rate(self.decode_tokens_per_s)}, {'graph' if self.cuda_graph else 'eager'}) "
+                f"| stop: {self.stop_reason}")
 
 
 @dataclass

@@ -53,10 +53,13 @@ class ComputeDefaults:
 @dataclass
 class Capture:
     """A captured graph: ``replay()`` runs it again; ``output`` is what the captured call returned
-    (static buffers, overwritten by every replay)."""
+    (static buffers, overwritten by every replay). ``executed``: the capture itself ran the call
+    (the CPU's graphs), so ``output`` already holds its result; on CUDA and vulkan a capture only
+    records, and the first replay computes it."""
 
     replay: Callable[[], None]
     output: Any
+    executed: bool = False
 
 
 class CaptureRejected(RuntimeError):
@@ -137,7 +140,8 @@ class Backend:
         return False
 
     def capture(self, device: torch.device, fn: Callable[[], Any], warmup: int) -> Capture:
-        """Run ``fn`` ``warmup`` times (at least once) eagerly, then capture one call into a graph.
+        """Run ``fn`` ``warmup`` times (at least once) eagerly, then capture one call into a graph
+        (a backend whose capture runs the call eagerly itself, the CPU's, may skip the warm-up).
 
         Raises:
             RuntimeError: graphs are not supported here, or capture failed.

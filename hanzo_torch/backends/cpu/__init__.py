@@ -478,8 +478,9 @@ def capture(fn, warmup: int = 1):
     Raises:
         RuntimeError: the extension cannot be built.
         CaptureRejected: the call ran, but cannot be replayed (its ``output`` is the call's
-            result), with the reason: an op other than a hanzo op or a view ran (a copy, an add,
-            an in-place write), a hanzo op ran its reference or a path without a graph node
+            result), with the reason: an op other than a hanzo op, a view or a host read
+            (``max``, ``min``, ``item``: the position checks of ``next_positions``) ran (a copy,
+            an add, an in-place write), a hanzo op ran its reference or a path without a graph node
             (non-float32 activations, an op with no node such as ``mul_mat_id``), or an output is
             not written by a hanzo op.
     """
@@ -824,7 +825,7 @@ class CpuBackend(Backend):
         # no warm-up: nothing compiles or allocates lazily on the host, and the recorded call is
         # itself an eager run of fn
         graph, out = capture(fn, 0)
-        return Capture(graph.replay, out)
+        return Capture(graph.replay, out, executed=True)
 
 
 BACKEND = CpuBackend()
