@@ -64,19 +64,21 @@ def test_panels_match_the_oracle_and_the_interleaved_gemm(ext, isa, N, K, M):
     assert buf.numel() > 0
 
 
-def test_panels_independent_of_task_split_and_threads(ext):
-    """Tasks of one row (every 8-row group computed in part by several tasks), the default size,
-    1 and 2 threads: the same bits."""
+@pytest.mark.parametrize("M", [1, 3])
+def test_panels_independent_of_task_split_and_threads(ext, M):
+    """Tasks of 1, 3 and 5 rows (8-row groups computed in part by several tasks, and tasks that
+    start in one group and end in the next) and the default size, 1 and 2 threads: the same bits."""
     K, N = 2 * 256, 704  # > 64 KiB: a parallel split
+    rb = K // 256 * 144
     w = random_blocks("Q4_K", N, K, seed=5)
     _attach(ext, w)
-    x = torch.randn(1, K)
+    x = torch.randn(M, K)
     old = torch.get_num_threads()
     outs = []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for chunk in (1, 262144):
+            for chunk in (1, 3 * rb, 5 * rb, 262144):
                 ext.set_matvec_chunk_bytes(chunk, 1)
                 outs.append(hcpu.mul_mat(x, w, "Q4_K"))
     finally:
