@@ -210,3 +210,34 @@ def test_a_reallocated_cache_drops_the_old_graph(files):
     model.setup_cache(1)
     model.generate([1, 2], 3, temperature=0, ignore_eos=True)
     assert len(model._hanzo_decode_graphs) == 1
+
+
+def test_captures_on_two_threads_at_once():
+    """Each thread records its own graph (a model per thread in a server, say)."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=60)
+    xs = [torch.randn(2, 8) for _ in range(2)]
+    w = torch.ones(8)
+    results, errors = [None, None], []
+
+    def run(i):
+        def step():
+            barrier.wait()  # both captures are running now
+            return hanzo.rms_norm(xs[i], w, 1e-6)
+
+        try:
+            results[i] = cpu.capture(step, 0)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, (graph, y) in enumerate(results):
+        xs[i].mul_(2)
+        graph.replay()
+        assert len(graph) == 1 and torch.equal(y, hanzo.rms_norm(xs[i], w, 1e-6))

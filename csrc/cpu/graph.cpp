@@ -3,12 +3,9 @@
 
 #include <ATen/record_function.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <unordered_set>
 
 namespace {
@@ -61,7 +58,6 @@ const std::unordered_set<std::string>& host_read_ops() {
 }
 
 struct Capture {
-    std::thread::id thread;
     std::shared_ptr<Graph> graph = std::make_shared<Graph>();
     std::unordered_set<const void*> written;  // storages the nodes write
     std::string error;                        // the first reason the graph cannot be replayed
@@ -73,13 +69,11 @@ struct Capture {
     at::CallbackHandle handle = 0;
 };
 
-std::mutex g_mu;  // begin / end / abort
-std::atomic<Capture*> g_cap{nullptr};
+// The capture running on this thread: captures on different threads (two models decoding in
+// their own threads) are independent, as are their observers.
+thread_local Capture* t_cap = nullptr;
 
-Capture* current() {
-    Capture* c = g_cap.load(std::memory_order_acquire);
-    return c != nullptr && c->thread == std::this_thread::get_id() ? c : nullptr;
-}
+Capture* current() { return t_cap; }
 
 void reject(Capture* c, const std::string& why) {
     if (c->error.empty()) c->error = why;
@@ -125,22 +119,18 @@ void on_exit(const at::RecordFunction&, at::ObserverContext*) {
 }
 
 void begin() {
-    std::lock_guard<std::mutex> lock(g_mu);
-    TORCH_CHECK(g_cap.load() == nullptr, "hanzo cpu graph: a capture is already running");
+    TORCH_CHECK(t_cap == nullptr, "hanzo cpu graph: a capture is already running on this thread");
     auto* c = new Capture();
-    c->thread = std::this_thread::get_id();
     c->handle = at::addThreadLocalCallback(
         at::RecordFunctionCallback(on_enter, on_exit).scopes({at::RecordScope::FUNCTION}));
-    g_cap.store(c, std::memory_order_release);
+    t_cap = c;
 }
 
 std::unique_ptr<Capture> finish() {
-    std::lock_guard<std::mutex> lock(g_mu);
-    Capture* c = g_cap.load();
-    TORCH_CHECK(c != nullptr && c->thread == std::this_thread::get_id(),
-                "hanzo cpu graph: no capture is running on this thread");
+    Capture* c = t_cap;
+    TORCH_CHECK(c != nullptr, "hanzo cpu graph: no capture is running on this thread");
     at::removeCallback(c->handle);
-    g_cap.store(nullptr, std::memory_order_release);
+    t_cap = nullptr;
     return std::unique_ptr<Capture>(c);
 }
 
