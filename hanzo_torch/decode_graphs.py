@@ -72,6 +72,10 @@ def _state_key(model: torch.nn.Module) -> tuple:
     return buffers, modules
 
 
+def _hooked(model: torch.nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def clear_graphs(model: torch.nn.Module) -> None:
     """Drop the decode graphs captured for ``model`` (their memory pools are freed with them)."""
     if hasattr(model, _CACHE_ATTR):
@@ -97,6 +101,9 @@ class CapturedDecode:
         self.input_ids = input_ids
         self.positions = positions
         self.device = input_ids.device
+        if self.device.type == "cpu" and _hooked(model):
+            # a CPU graph replays C++ kernels only: a hook's Python would silently not run
+            raise RuntimeError("the model has forward hooks, which a CPU graph's replay would skip")
         cap = backends.for_device(self.device).capture(
             self.device, lambda: model(input_ids, positions=positions, **kwargs), warmup)
         self._replay = cap.replay

@@ -241,3 +241,17 @@ def test_captures_on_two_threads_at_once():
         xs[i].mul_(2)
         graph.replay()
         assert len(graph) == 1 and torch.equal(y, hanzo.rms_norm(xs[i], w, 1e-6))
+
+
+def test_a_model_with_forward_hooks_decodes_eagerly(files):
+    """A hook that runs no tensor op would pass the op check, but a replay skips its Python: the
+    step refuses to capture and every token runs the hook."""
+    model = hanzo_torch.load(files["qwen3"], max_context=32)
+    calls = []
+    handle = model.blk[0].register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        with pytest.warns(RuntimeWarning, match="forward hooks"):
+            r = model.generate([1, 2, 3], 5, temperature=0, ignore_eos=True)
+    finally:
+        handle.remove()
+    assert not r.stats.cuda_graph and len(calls) == 5  # the prefill and 4 decode steps

@@ -141,8 +141,8 @@ def test_generate_on_cpu_with_and_without_graph(files, monkeypatch):
 
 
 def test_decode_step_eager_on_cpu_and_layer_probe(files):
-    """The probe's copies run between the hanzo ops, which a CPU graph cannot replay: the step
-    says so once and stays eager, and the probe still sees every layer."""
+    """The probe's hooks run Python (and copies) that a CPU graph would not replay: the step says
+    so once and stays eager, and the probe still sees every layer."""
     model = hanzo_torch.load(files["qwen3"], max_context=64)
     with torch.inference_mode(), layer_probe(model) as probe:
         model(torch.tensor([[1, 2, 3]]), positions=torch.arange(3)[None])
@@ -150,7 +150,7 @@ def test_decode_step_eager_on_cpu_and_layer_probe(files):
         step.input_ids.fill_(9)
         step.positions.fill_(3)
         if step.use_graph:  # the CPU kernels are built and HANZO_CPU_GRAPH is on
-            with pytest.warns(RuntimeWarning, match="capture failed.*aten::"):
+            with pytest.warns(RuntimeWarning, match="capture failed.*forward hooks"):
                 out = step()
         else:
             out = step()
