@@ -238,8 +238,8 @@ def generate(model: CausalLM, prompt_or_ids: Prompt, max_new_tokens: int = 256, 
             decode step into a graph once (per batch size, KV cache and module tree) and replay it
             for every token; ignored on other devices (``HANZO_VK_GRAPH=0`` / ``HANZO_CPU_GRAPH=0``
             at import also turn it off). If the capture fails (on the CPU: anything but the hanzo
-            ops and views between them, as MoE and LoRA steps), a RuntimeWarning says why, once
-            per model and batch size, and decode runs eagerly.
+            ops and views between them, as MoE and LoRA steps, or forward hooks on the model), a
+            RuntimeWarning says why, once per model and batch size, and decode runs eagerly.
 
         n_parallel: for a batch, the KV-cache slots decoded at once (default: one per prompt).
 
