@@ -255,3 +255,12 @@ def test_a_model_with_forward_hooks_decodes_eagerly(files):
     finally:
         handle.remove()
     assert not r.stats.cuda_graph and len(calls) == 5  # the prefill and 4 decode steps
+
+
+def test_graph_switch_value_is_checked(monkeypatch):
+    for value in ("0", "1", "off", ""):
+        monkeypatch.setenv("HANZO_CPU_GRAPH", value)
+        cpu.check_environment()
+    monkeypatch.setenv("HANZO_CPU_GRAPH", "maybe")
+    with pytest.raises(ValueError, match="HANZO_CPU_GRAPH"):
+        cpu.check_environment()

@@ -271,7 +271,8 @@ _SWITCHES = (
 def check_environment() -> None:
     """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or one of the switch
     variables (``HANZO_CPU_ADAPTIVE_THREADS``, ``_GEMM512``, ``_REPACK``, ``_RANGED_TASKS``,
-    ``_MATVEC512``, ``_PANELS``, ``_PREFETCH_L2``) is neither 0 nor 1 (cheap: no build, no CPU probe).
+    ``_MATVEC512``, ``_PANELS``, ``_PREFETCH_L2``, ``_GRAPH``) is neither 0 nor 1 (cheap: no build,
+    no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
     """
@@ -279,6 +280,7 @@ def check_environment() -> None:
         raise ValueError(f"HANZO_CPU_ISA={_FORCED_ISA!r}: expected one of {', '.join(_ISA_BY_NAME)}")
     for env, _, _ in _SWITCHES:
         _flag_env(env)
+    _flag_env("HANZO_CPU_GRAPH")
 
 
 def default_isa() -> int:
@@ -450,9 +452,10 @@ def dequantize(data: torch.Tensor, qtype: str, shape, dtype: torch.dtype, *, isa
 NAME = "cpu"
 DEVICE_TYPES = ("cpu",)
 
-GRAPHS = os.environ.get("HANZO_CPU_GRAPH", "1").strip().lower() not in ("0", "off", "false")
+GRAPHS = _ADAPTIVE_VALUES.get(os.environ.get("HANZO_CPU_GRAPH", "").strip().lower(), True)
 """Whether decode steps capture and replay a CPU graph (:func:`capture`; ``HANZO_CPU_GRAPH=0`` at
-import turns it off; assign in process for an A/B)."""
+import turns it off, a malformed value leaves it on and :func:`check_environment` reports it;
+assign in process for an A/B)."""
 
 
 def _outputs(out) -> list:
