@@ -91,20 +91,14 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 
 inline float sumsq_f32(const float* a, int64_t n) { return dot_f32(a, a, n); }
 
-std::vector<float> weight_f32(const at::Tensor& w) {
-    at::Tensor wf = w.to(at::kFloat).contiguous();
-    const float* p = wf.data_ptr<float>();
-    return std::vector<float>(p, p + wf.numel());
-}
-
 // A norm weight as float32 values: read in place when it is contiguous float32 (no copy, no
-// dispatcher call), else converted into an owned copy.
+// dispatcher call), else a converted copy that this object keeps.
 struct WeightF32 {
-    std::vector<float> own;
+    at::Tensor own;
     const float* p = nullptr;
     explicit WeightF32(const at::Tensor& w) {
-        if (w.scalar_type() == at::kFloat && w.is_contiguous()) p = w.data_ptr<float>();
-        else { own = weight_f32(w); p = own.data(); }
+        own = w.scalar_type() == at::kFloat && w.is_contiguous() ? w : w.to(at::kFloat).contiguous();
+        p = own.data_ptr<float>();
     }
     const float* data() const { return p; }
 };

@@ -482,13 +482,14 @@ std::vector<torch::Tensor> mul_mat_group(torch::Tensor x, std::vector<torch::Ten
         return ys;
     }
     OpScratch own;
-    std::vector<QuantAct>& qa = (scratch ? *scratch : own).qa;  // one per block size, in order of first use
+    OpScratch& sc = scratch ? *scratch : own;
+    std::vector<QuantAct>& qa = sc.qa;  // one per block size, in order of first use
     std::vector<int64_t> qa_of(G);
     int64_t nqa = 0;
     for (int64_t i = 0; i < G; ++i) {
         int64_t j = 0;
         while (j < nqa && qa[j].view.qa != fk[i]->qk) ++j;
-        if (j == nqa) quantize_act_into(isa, xf, fk[i]->qk, (scratch ? *scratch : own).slot(nqa++));
+        if (j == nqa) quantize_act_into(isa, xf, fk[i]->qk, sc.slot(nqa++));
         qa_of[i] = j;
     }
     auto add_bias = [&](int64_t i, int64_t n0, int64_t n1) {
