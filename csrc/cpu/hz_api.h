@@ -41,6 +41,11 @@ typedef void (*hz_panel_fn)(const uint8_t* P, int64_t K, int64_t n0, int64_t n1,
                             float* y, int64_t ldy);
 // Bytes of one Q4_K panel block: 8 rows x 256 values (layout in kernels_panels.h).
 #define HZ_Q4K_PANEL_BYTES 1184
+#define HZ_Q4K_PANEL_SC 0     // 6-bit scales, decoded: byte 8s + r
+#define HZ_Q4K_PANEL_MN 64    // 6-bit mins, decoded: byte 16q + 2r + e = min of sub-block 2q + e
+#define HZ_Q4K_PANEL_D 128    // d of rows 0..7 (fp16)
+#define HZ_Q4K_PANEL_DM 144   // dmin of rows 0..7 (fp16)
+#define HZ_Q4K_PANEL_QS 160   // qs, 1024 bytes
 // One packed row of K values -> float32.
 typedef void (*hz_dequant_fn)(const uint8_t* row, int64_t K, float* out);
 // Rows [0, M) of x (f32, row stride K) -> int8 activation blocks of qa values.

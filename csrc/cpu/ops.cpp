@@ -189,15 +189,15 @@ void pack_q4k_groups(const uint8_t* W, int64_t rb, int64_t g0, int64_t g1, uint8
                 const uint8_t* qs = blk + offsetof(block_q4_K, qs);
                 for (int j = 0; j < 4; ++j)
                     for (int k = 0; k < 8; ++k)
-                        memcpy(pb + 256 * j + 32 * k + 4 * r, qs + 32 * j + 4 * k, 4);
+                        memcpy(pb + HZ_Q4K_PANEL_QS + 256 * j + 32 * k + 4 * r, qs + 32 * j + 4 * k, 4);
                 uint8_t sc[8], mn[8];
                 kquant_scales_6bit(blk + offsetof(block_q4_K, scales), sc, mn);
                 for (int s = 0; s < 8; ++s) {
-                    pb[1024 + 8 * s + r] = sc[s];
-                    pb[1088 + 16 * (s / 2) + 2 * r + (s & 1)] = mn[s];
+                    pb[HZ_Q4K_PANEL_SC + 8 * s + r] = sc[s];
+                    pb[HZ_Q4K_PANEL_MN + 16 * (s / 2) + 2 * r + (s & 1)] = mn[s];
                 }
-                memcpy(pb + 1152 + 2 * r, blk + offsetof(block_q4_K, d), 2);
-                memcpy(pb + 1168 + 2 * r, blk + offsetof(block_q4_K, dmin), 2);
+                memcpy(pb + HZ_Q4K_PANEL_D + 2 * r, blk + offsetof(block_q4_K, d), 2);
+                memcpy(pb + HZ_Q4K_PANEL_DM + 2 * r, blk + offsetof(block_q4_K, dmin), 2);
             }
         }
 }
