@@ -395,18 +395,21 @@ def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
     N = 37
     w = random_blocks(qtype, N, K, seed=21)
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(22)) * 3
-    wide = hcpu.matvec512()
+    wide, gfni = hcpu.matvec512(), hcpu.matvec_gfni()
     try:
         for level in levels:
             hcpu.set_matvec512(False)
             y256 = hcpu.mul_mat(x, w, qtype, isa=level)
             hcpu.set_matvec512(True)
-            y512 = hcpu.mul_mat(x, w, qtype, isa=level)
-            assert torch.equal(y512, y256), level
+            for gf in (False, True):  # Q6_K: shifts and masks, then GF2P8AFFINEQB (avx512-sim: SIMDe's)
+                hcpu.set_matvec_gfni(gf)
+                y512 = hcpu.mul_mat(x, w, qtype, isa=level)
+                assert torch.equal(y512, y256), (level, gf)
             if "avx2" in hcpu.isa_levels():
                 assert torch.equal(y512, hcpu.mul_mat(x, w, qtype, isa="avx2")), level
     finally:
         hcpu.set_matvec512(wide)
+        hcpu.set_matvec_gfni(gfni)
     wf = quant.dequantize(w, qtype, [N, K], torch.float32).double()
     xq, xd, _ = ext.quantize_activation(x, 256, 0)
     xh = (xq.double().reshape(1, -1, 256) * xd.double().reshape(1, -1, 1)).reshape(1, K)
@@ -418,6 +421,7 @@ def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
 @pytest.mark.parametrize("env, getter, setter", [
     ("HANZO_CPU_GEMM512", "gemm512", "set_gemm512"),
     ("HANZO_CPU_MATVEC512", "matvec512", "set_matvec512"),
+    ("HANZO_CPU_GFNI", "matvec_gfni", "set_matvec_gfni"),
     ("HANZO_CPU_REPACK", "repack", "set_repack"),
     ("HANZO_CPU_RANGED_TASKS", "ranged_tasks", "set_ranged_tasks"),
     ("HANZO_CPU_PANELS", "panels", "set_panels"),

@@ -32,6 +32,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"  // 512-bit vector arguments of inline functions without AVX-512
 #include <simde/x86/avx512.h>
+#include <simde/x86/gfni.h>
 // An AVX-512F name SIMDe 0.7.4 lacks, from two 256-bit halves (same results: lane-wise conversion).
 static inline __m512 hz_sim_cvtepi32_ps(__m512i a) {
     const __m256 lo = _mm256_cvtepi32_ps(_mm512_castsi512_si256(a));

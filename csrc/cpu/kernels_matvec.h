@@ -204,11 +204,40 @@ static inline __m512i lane_idx16(int base) {
                              v + 2 * one, v + 3 * one, v + 3 * one, v + 3 * one, v + 3 * one);
 }
 
+// GF2P8AFFINEQB with b = 0: byte k of each 64-bit lane of x through the 8x8 bit matrix of the same
+// lane of A (byte 7 - i of A's lane selects the input bits whose parity is output bit i). The
+// native unit emits it as inline assembly, so only this instruction needs GFNI (the avx512 level
+// also runs on AVX-512 CPUs without it: callers check hz_gfni_ok); avx512-sim takes SIMDe's.
+static inline __m512i hz_gf2p8affine(__m512i x, __m512i A) {
+#if defined(SIMDE_VERSION)
+    return _mm512_gf2p8affine_epi64_epi8(x, A, 0);
+#else
+    __m512i r;
+    __asm__("vgf2p8affineqb $0, %[a], %[x], %[r]" : [r] "=v"(r) : [x] "v"(x), [a] "v"(A));
+    return r;
+#endif
+}
+
+static inline bool hz_gfni_ok() {
+#if defined(SIMDE_VERSION)
+    return hz_matvec_gfni != 0;
+#else
+    static const bool cpu = (__builtin_cpu_init(), __builtin_cpu_supports("gfni"));
+    return hz_matvec_gfni != 0 && cpu;
+#endif
+}
+
+// The matrix that moves bits 2k, 2k + 1 of each byte to bits 4, 5 (the top bits of Q6_K chunk k
+// in its qh byte) and clears the others.
+static constexpr long long q6_top_bits(int k) {
+    return (long long)((1ull << (2 * k)) << 24 | (1ull << (2 * k + 1)) << 16);
+}
+
 static inline __m256i fold512(__m512i v) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
-template <class T>
+template <class T, bool GF = false>
 static inline float matvec_row512(const uint8_t* row, const HzAct* a, int64_t m) {
     typedef Hooks<T> H;
     const int64_t K = a->K, nb = K / T::QK;
@@ -247,10 +276,23 @@ static inline float matvec_row512(const uint8_t* row, const HzAct* a, int64_t m)
             for (int h = 0; h < 2; ++h) {
                 const __m512i ql = _mm512_loadu_si512((const void*)(blk + HZ_OFF(FQ6_K, ql) + 64 * h));
                 const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + HZ_OFF(FQ6_K, qh) + 32 * h)));
-                const __m512i q0 = _mm512_or_si512(_mm512_and_si512(ql, m4),
-                                                   _mm512_and_si512(_mm512_sllv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)), m30));
-                const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                                   _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), m30));
+                __m512i q0, q1;
+                if constexpr (GF) {
+                    // the top bits of each half's two chunks to bits 4-5 by one affine each (per
+                    // 256-bit half: chunk 4h / 4h + 1 for q0, 4h + 2 / 4h + 3 for q1), then
+                    // vpternlogq's bit select (imm 0xE4: the nibble of ql where m4 has ones, else g)
+                    const __m512i g0 = hz_gf2p8affine(qh, _mm512_setr_epi64(q6_top_bits(0), q6_top_bits(0), q6_top_bits(0), q6_top_bits(0),
+                                                                             q6_top_bits(1), q6_top_bits(1), q6_top_bits(1), q6_top_bits(1)));
+                    const __m512i g1 = hz_gf2p8affine(qh, _mm512_setr_epi64(q6_top_bits(2), q6_top_bits(2), q6_top_bits(2), q6_top_bits(2),
+                                                                             q6_top_bits(3), q6_top_bits(3), q6_top_bits(3), q6_top_bits(3)));
+                    q0 = _mm512_ternarylogic_epi64(ql, g0, m4, 0xE4);
+                    q1 = _mm512_ternarylogic_epi64(_mm512_srli_epi16(ql, 4), g1, m4, 0xE4);
+                } else {
+                    q0 = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                         _mm512_and_si512(_mm512_sllv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)), m30));
+                    q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                         _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), m30));
+                }
                 const int i0 = 8 * h, i1 = 8 * h + 4;  // scale index of each step's lane 0
                 const __m512i s0 = _mm512_permutexvar_epi16(lane_idx16(i0), sc);
                 const __m512i s1 = _mm512_permutexvar_epi16(lane_idx16(i1), sc);
@@ -288,6 +330,12 @@ static void matvec_simd(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
 #if HZ_ISA >= 2
             if constexpr (Mv512<T>::ON) {
                 if (hz_matvec512) {
+                    if constexpr (T::ID == FQ6_K::ID) {
+                        if (hz_gfni_ok()) {
+                            for (int64_t n = n0; n < n1; ++n) y[m0 * ldy + n] = matvec_row512<T, true>(W + n * rb, a, m0);
+                            break;
+                        }
+                    }
                     for (int64_t n = n0; n < n1; ++n) y[m0 * ldy + n] = matvec_row512<T>(W + n * rb, a, m0);
                     break;
                 }

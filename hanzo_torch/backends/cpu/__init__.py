@@ -34,6 +34,8 @@ On ``avx512`` (and ``avx512-sim``) the prefill GEMM runs 512-bit register tiles 
 kernels load) or :func:`set_gemm512` gives that level's 256-bit tiles instead, for A/B runs.
 Its decode mat-vec (M = 1) of Q4_K and Q6_K runs 512-bit rows, two 32-value chunks per step, with
 the same bits as the 256-bit rows; ``HANZO_CPU_MATVEC512=0`` or :func:`set_matvec512` gives those.
+Where the CPU reports GFNI, its Q6_K rows assemble the six-bit values with ``vgf2p8affineqb``
+(same bits); ``HANZO_CPU_GFNI=0`` or :func:`set_matvec_gfni` gives shifts and masks instead.
 The GEMM of Q4_K and Q6_K (at least 16 activation rows) repacks each weight panel into rows
 interleaved 8 at a time (one activation broadcast feeds 8 rows) on every SIMD level, ``avx512``
 included (256-bit vectors: 1.6x the 512-bit row tiles on Zen 4); ``HANZO_CPU_REPACK=0`` or
@@ -79,7 +81,7 @@ from ..base import Backend, Capture, CaptureRejected, ComputeDefaults
 __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "SUPPORTED_QTYPES",
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "mul_mat_group", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
-           "set_matvec512", "matvec512", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks",
+           "set_matvec512", "matvec512", "set_matvec_gfni", "matvec_gfni", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks",
            "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2", "capture",
            "GRAPHS"]
 
@@ -263,6 +265,7 @@ _SWITCHES = (
     ("HANZO_CPU_REPACK", "set_repack", "the row-interleaved Q4_K / Q6_K GEMM"),
     ("HANZO_CPU_RANGED_TASKS", "set_ranged_tasks", "the split into contiguous task ranges"),
     ("HANZO_CPU_MATVEC512", "set_matvec512", "the 512-bit mat-vec"),
+    ("HANZO_CPU_GFNI", "set_matvec_gfni", "the Q6_K mat-vec's GF2P8AFFINEQB"),
     ("HANZO_CPU_PANELS", "set_panels", "the mat-vec over row-interleaved panels"),
     ("HANZO_CPU_PREFETCH_L2", "set_prefetch_l2", "the mat-vec's prefetch into L2"),
 )
@@ -271,7 +274,7 @@ _SWITCHES = (
 def check_environment() -> None:
     """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or one of the switch
     variables (``HANZO_CPU_ADAPTIVE_THREADS``, ``_GEMM512``, ``_REPACK``, ``_RANGED_TASKS``,
-    ``_MATVEC512``, ``_PANELS``, ``_PREFETCH_L2``, ``_GRAPH``) is neither 0 nor 1 (cheap: no build,
+    ``_MATVEC512``, ``_GFNI``, ``_PANELS``, ``_PREFETCH_L2``, ``_GRAPH``) is neither 0 nor 1 (cheap: no build,
     no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
@@ -647,6 +650,24 @@ def set_matvec512(enabled: bool) -> None:
 def matvec512() -> bool:
     """Whether the ``avx512`` level's Q4_K/Q6_K mat-vec uses its 512-bit rows (:func:`set_matvec512`)."""
     return bool(_ext_or_raise().matvec512())
+
+
+def set_matvec_gfni(enabled: bool) -> None:
+    """On the ``avx512`` level (where the CPU reports GFNI) and on ``avx512-sim``, assemble the
+    six-bit values of the 512-bit Q6_K mat-vec rows with ``vgf2p8affineqb`` and a bit select (True,
+    the default: two ops per 64 values where shifts and masks take four or five) or with the
+    shifts and masks (False), for A/B runs. The results are the same bits either way.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_matvec_gfni(bool(enabled))
+
+
+def matvec_gfni() -> bool:
+    """Whether the 512-bit Q6_K mat-vec rows use ``vgf2p8affineqb`` where the CPU has it
+    (:func:`set_matvec_gfni`)."""
+    return bool(_ext_or_raise().matvec_gfni())
 
 
 def set_panels(enabled: bool) -> None:
