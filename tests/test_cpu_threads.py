@@ -145,10 +145,13 @@ def test_every_task_runs_whatever_the_thread_count(ext):
             torch.set_num_threads(threads)
             for ranged in (True, False):
                 ext.set_ranged_tasks(ranged)
-                p0 = ext.thread_stats()["parallel_regions"]
+                s0 = ext.thread_stats()
                 for i in range(6):
                     assert torch.equal(hcpu.mul_mat(xs[i % 2], w, "Q4_K"), want[i % 2]), (threads, ranged, i)
-                assert ext.thread_stats()["parallel_regions"] - p0 == 6, (threads, ranged)
+                s1 = ext.thread_stats()
+                assert s1["parallel_regions"] - s0["parallel_regions"] == 6, (threads, ranged)
+                # the regions' tails (first finish to last) are summed: threads never end on one ns
+                assert s1["tail_ns"] > s0["tail_ns"] and s1["start_skew_ns"] >= s0["start_skew_ns"], (threads, ranged)
     finally:
         ext.set_matvec_chunk_bytes(262144, 4)
         torch.set_num_threads(prev)

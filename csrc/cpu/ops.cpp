@@ -1253,7 +1253,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "(run serially by the adaptive controller), parallel_regions, losses (parallel regions slower than the "
           "calling thread's serial estimate), holds (switches to serial); state: enabled, serial, hold_ns");
     m.def("region_threads", &hz_region_threads, "testing: the controller's thread count for a region wanting nth threads");
-    m.def("report_region", &hz_region_report, "testing: report a parallel region (elapsed_ns, ntasks, own_tasks, own_ns)");
+    m.def("report_region", [](int64_t elapsed_ns, int64_t ntasks, int64_t own_tasks, int64_t own_ns) {
+              hz_region_report(elapsed_ns, ntasks, own_tasks, own_ns);
+          }, "testing: report a parallel region (elapsed_ns, ntasks, own_tasks, own_ns)");
     m.def("configure", &dispatch::configure, "set the formats ({name: type id}), the quantized formats lacking a "
           "kernel, ISA level and "
           "mat-vec row limit of the registered kernels");

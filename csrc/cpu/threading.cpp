@@ -35,6 +35,7 @@ struct HzThreads {
     int at = 0;
     int64_t wall_sum = 0, est_sum = 0;
     std::atomic<int64_t> regions{0}, serial_regions{0}, parallel_regions{0}, losses{0}, holds{0};
+    std::atomic<int64_t> start_skew_ns{0}, tail_ns{0};  // summed over parallel regions
 
     void reset() {  // with mu held
         serial = probing = false;
@@ -82,9 +83,12 @@ int64_t hz_region_threads(int64_t nth) {
     return nth;
 }
 
-void hz_region_report(int64_t elapsed_ns, int64_t ntasks, int64_t own_tasks, int64_t own_ns) {
+void hz_region_report(int64_t elapsed_ns, int64_t ntasks, int64_t own_tasks, int64_t own_ns, int64_t start_skew_ns,
+                      int64_t tail_ns) {
     HzThreads& t = hz_threads();
     t.parallel_regions.fetch_add(1, std::memory_order_relaxed);
+    t.start_skew_ns.fetch_add(start_skew_ns, std::memory_order_relaxed);
+    t.tail_ns.fetch_add(tail_ns, std::memory_order_relaxed);
     // serial estimate: ntasks * own_ns / own_tasks (none when the calling thread ran no task: the
     // other threads did the work, so the region was no loss, and it counts as its own wall time)
     const bool loss = own_tasks > 0 && elapsed_ns * own_tasks > own_ns * ntasks;
@@ -125,5 +129,5 @@ std::map<std::string, int64_t> hz_thread_stats() {
         {"enabled", t.enabled.load()}, {"serial", t.serial}, {"hold_ns", t.hold},
         {"regions", t.regions.load()}, {"serial_regions", t.serial_regions.load()},
         {"parallel_regions", t.parallel_regions.load()}, {"losses", t.losses.load()},
-        {"holds", t.holds.load()}};
+        {"holds", t.holds.load()}, {"start_skew_ns", t.start_skew_ns.load()}, {"tail_ns", t.tail_ns.load()}};
 }

@@ -33,7 +33,10 @@ inline int64_t hz_now_ns() {
 int64_t hz_region_threads(int64_t nth);
 // Outcome of a parallel region: its wall time, the tasks in all, and the tasks the calling thread
 // ran with the time it spent running them.
-void hz_region_report(int64_t elapsed_ns, int64_t ntasks, int64_t own_tasks, int64_t own_ns);
+// start_skew_ns / tail_ns: the last thread's start after the first's, and its finish after the
+// first finish (the time one thread of the region had no task), summed into hz_thread_stats.
+void hz_region_report(int64_t elapsed_ns, int64_t ntasks, int64_t own_tasks, int64_t own_ns,
+                      int64_t start_skew_ns = 0, int64_t tail_ns = 0);
 // The controller on/off (resets its state), with its shortest and longest serial hold in ns.
 void hz_set_adaptive_threads(bool enabled, int64_t hold_min_ns, int64_t hold_max_ns);
 // Its counters (regions, serial_regions, parallel_regions, losses, holds) and state (enabled,
@@ -87,10 +90,13 @@ void hz_run_tasks(int64_t n, int64_t nth, const F& task) {
             ranges[c].v.store((uint64_t)((c + 1) * n / nth) << 32 | (uint64_t)(c * n / nth), std::memory_order_relaxed);
     std::atomic<int64_t> next{0};
     int64_t own_tasks = 0, own_ns = 0;
+    int64_t began[kHzMaxRanges], ended[kHzMaxRanges];
+    const bool timed = nth <= kHzMaxRanges;
     const int64_t t0 = hz_now_ns();
     at::parallel_for(0, nth, 1, [&](int64_t c, int64_t) {
         // chunk 0 of at::parallel_for runs on the calling thread (OpenMP's master)
-        const int64_t s = c == 0 ? hz_now_ns() : 0;
+        const int64_t s = hz_now_ns();
+        if (timed) began[c] = s;
         int64_t k = 0, i;
         if (ranged) {
             while (hz_take(ranges[c], true, i)) { task(i); ++k; }
@@ -99,10 +105,19 @@ void hz_run_tasks(int64_t n, int64_t nth, const F& task) {
         } else {
             for (; (i = next.fetch_add(1)) < n; ++k) task(i);
         }
+        const int64_t e = hz_now_ns();
+        if (timed) ended[c] = e;
         if (c == 0) {
             own_tasks = k;
-            own_ns = hz_now_ns() - s;
+            own_ns = e - s;
         }
     });
-    hz_region_report(hz_now_ns() - t0, n, own_tasks, own_ns);
+    int64_t skew = 0, tail = 0;
+    if (timed) {
+        const int64_t s0 = *std::min_element(began, began + nth), s1 = *std::max_element(began, began + nth);
+        const int64_t e0 = *std::min_element(ended, ended + nth), e1 = *std::max_element(ended, ended + nth);
+        skew = s1 - s0;
+        tail = e1 - e0;
+    }
+    hz_region_report(hz_now_ns() - t0, n, own_tasks, own_ns, skew, tail);
 }

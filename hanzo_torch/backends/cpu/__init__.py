@@ -799,7 +799,10 @@ def thread_stats() -> dict:
     ``regions`` (calls that asked for more than one thread), ``parallel_regions`` (run on the pool),
     ``serial_regions`` (run on the calling thread by the adaptive thread count), ``losses``
     (parallel regions slower than the calling thread's estimate of running them alone), ``holds``
-    (switches to serial); state: ``enabled``, ``serial`` (regions held serial now), ``hold_ns``.
+    (switches to serial), ``start_skew_ns`` (summed over parallel regions: the last thread's start
+    after the first's) and ``tail_ns`` (summed: the last thread's finish after the first's, the time
+    a thread of the region had no task left); state: ``enabled``, ``serial`` (regions held serial
+    now), ``hold_ns``.
 
     Raises:
         RuntimeError: the extension cannot be built.
