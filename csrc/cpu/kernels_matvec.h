@@ -209,8 +209,11 @@ static inline __m512i lane_idx16(int base) {
 // native unit emits it as inline assembly, so only this instruction needs GFNI (the avx512 level
 // also runs on AVX-512 CPUs without it: callers check hz_gfni_ok); avx512-sim takes SIMDe's.
 static inline __m512i hz_gf2p8affine(__m512i x, __m512i A) {
-#if defined(SIMDE_VERSION)
+#if defined(SIMDE_VERSION) && defined(HZ_SIM_GFNI)
     return _mm512_gf2p8affine_epi64_epi8(x, A, 0);
+#elif defined(SIMDE_VERSION)
+    (void)A;
+    return x;  // not reached: hz_gfni_ok() is false without SIMDe's gfni.h
 #else
     __m512i r;
     __asm__("vgf2p8affineqb $0, %[a], %[x], %[r]" : [r] "=v"(r) : [x] "v"(x), [a] "v"(A));
@@ -219,8 +222,10 @@ static inline __m512i hz_gf2p8affine(__m512i x, __m512i A) {
 }
 
 static inline bool hz_gfni_ok() {
-#if defined(SIMDE_VERSION)
+#if defined(SIMDE_VERSION) && defined(HZ_SIM_GFNI)
     return hz_matvec_gfni != 0;
+#elif defined(SIMDE_VERSION)
+    return false;
 #else
     static const bool cpu = (__builtin_cpu_init(), __builtin_cpu_supports("gfni"));
     return hz_matvec_gfni != 0 && cpu;
