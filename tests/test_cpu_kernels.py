@@ -426,6 +426,7 @@ def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
     ("HANZO_CPU_RANGED_TASKS", "ranged_tasks", "set_ranged_tasks"),
     ("HANZO_CPU_PANELS", "panels", "set_panels"),
     ("HANZO_CPU_PREFETCH_L2", "prefetch_l2", "set_prefetch_l2"),
+    ("HANZO_CPU_PREFETCH_ACT", "prefetch_act", "set_prefetch_act"),
 ])
 def test_switch_environment_variables(ext, monkeypatch, env, getter, setter):
     """Each A/B switch of the kernels: read when they load (0 off; 1 or empty on), a malformed

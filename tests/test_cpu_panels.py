@@ -199,3 +199,26 @@ def test_prefetch_into_l2_or_l1_gives_the_same_bits(ext, isa):
         ext.set_prefetch_bytes(2048, 8192)
         ext.drop_panels_of(cases[0][1])
         ext.drop_panels_of(cases[-1][1])
+
+
+@pytest.mark.parametrize("isa", SIMD)
+@pytest.mark.parametrize("M", [1, 2])
+def test_activation_prefetch_gives_the_same_bits(ext, isa, M):
+    """K >= 4096 (17 blocks: the prefetch of each next block's activation runs, across the K
+    panels' boundaries and up to the last block): the panels' results are the same bits with the
+    activation prefetch on and off, and match the oracle."""
+    N, K = 24, 17 * 256
+    w = random_blocks("Q4_K", N, K, seed=41)
+    _attach(ext, w)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(42)) * 3
+    try:
+        assert ext.panels_of(w, _tid())
+        hcpu.set_prefetch_act(True)
+        on = hcpu.mul_mat(x, w, "Q4_K", isa=isa)
+        hcpu.set_prefetch_act(False)
+        off = hcpu.mul_mat(x, w, "Q4_K", isa=isa)
+        assert torch.equal(on, off)
+        assert_tight(on, act_dequant(ext, x, 256), gguf_dequant("Q4_K", w, K), f"act-prefetch/{isa}/M{M}")
+    finally:
+        hcpu.set_prefetch_act(True)
+        ext.drop_panels_of(w)

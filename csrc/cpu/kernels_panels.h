@@ -27,6 +27,17 @@ static void panels_q4k_tile(const uint8_t* P, int64_t K, int64_t n0, int64_t n1,
                             float* y, int64_t ldy) {
     const int64_t nb = K / 256, gstride = nb * HZ_Q4K_PANEL_BYTES;
     const int64_t KB = hz_min<int64_t>(nb, hz_gemm_kc / 256 > 0 ? hz_gemm_kc / 256 : 1);
+    // A group's pass reads 4.6 K bytes of panels and 1.1 K of activation (q8, sums per 16): from
+    // K = 4096 on that passes a 32 KiB L1, and the panels streaming through it evict the activation
+    // before the next group comes back to it. Prefetching the next block's activation into L1 then
+    // keeps its loads off L2 (AVX-512 levels; Zen 4, ffn_down [1536, 8960], fast minutes: 46.8 ->
+    // 50.9 GB/s, 73 rounds). The avx2 level runs out of instructions first there (ffn_down 39.7 ->
+    // 38.1 on the same box), so it does without.
+#if HZ_ISA >= 2
+    const bool act_pf = hz_prefetch_act && K >= 4096;
+#else
+    const bool act_pf = false;
+#endif
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i ones = _mm256_load_si256(hz_ones16());
     const int8_t* xq[MR]; const float* xd[MR]; const int16_t* xs[MR];
@@ -42,6 +53,13 @@ static void panels_q4k_tile(const uint8_t* P, int64_t K, int64_t n0, int64_t n1,
             for (int64_t b = kp; b < ke; ++b) {
                 const uint8_t* pb = pg + b * HZ_Q4K_PANEL_BYTES;
                 hz_prefetch_stream(pb, HZ_Q4K_PANEL_BYTES);
+                if (act_pf && b + 1 < nb)
+                    for (int m = 0; m < MR; ++m) {
+                        const char* xn = (const char*)(xq[m] + (b + 1) * 256);
+                        _mm_prefetch(xn, _MM_HINT_T0); _mm_prefetch(xn + 64, _MM_HINT_T0);
+                        _mm_prefetch(xn + 128, _MM_HINT_T0); _mm_prefetch(xn + 192, _MM_HINT_T0);
+                        _mm_prefetch((const char*)(xs[m] + (b + 1) * 16), _MM_HINT_T0);
+                    }
                 // the block's header (mins, d, dmin) read before its qs: the weight stream in address order
                 const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(pb + HZ_Q4K_PANEL_D)));
                 const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(pb + HZ_Q4K_PANEL_DM)));

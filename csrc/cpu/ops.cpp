@@ -43,6 +43,7 @@ int hz_prefetch_l2 = 1;
 int hz_gemm512 = 1;
 int hz_matvec512 = 1;
 int hz_matvec_gfni = 1;
+int hz_prefetch_act = 1;
 int hz_cpu_repack = 1;
 int64_t hz_gemm_kc = 2048, hz_gemm_mc = 64;
 }
@@ -1217,6 +1218,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemm512", []() { return hz_gemm512 != 0; }, "whether the AVX-512 level's GEMM uses its 512-bit kernels");
     m.def("set_matvec512", [](bool on) { hz_matvec512 = on ? 1 : 0; }, "AVX-512 level: 512-bit Q4_K/Q6_K mat-vec rows (true) or the 256-bit ones");
     m.def("matvec512", []() { return hz_matvec512 != 0; }, "whether the AVX-512 level's Q4_K/Q6_K mat-vec uses its 512-bit rows");
+    m.def("set_prefetch_act", [](bool on) { hz_prefetch_act = on ? 1 : 0; }, "Q4_K panel mat-vec of K >= 4096: prefetch the next block's activation into L1 (true) or not");
+    m.def("prefetch_act", []() { return hz_prefetch_act != 0; }, "whether the Q4_K panel mat-vec of K >= 4096 prefetches the next block's activation");
     m.def("set_matvec_gfni", [](bool on) { hz_matvec_gfni = on ? 1 : 0; }, "AVX-512 level: the 512-bit Q6_K rows with GF2P8AFFINEQB where the CPU has it (true) or shifts and masks");
     m.def("matvec_gfni", []() { return hz_matvec_gfni != 0; }, "whether the 512-bit Q6_K rows use GF2P8AFFINEQB where the CPU has it");
     m.def("panel_bytes", &panel_bytes, "bytes of the row-interleaved panels of an [N, rb] weight of a ggml type (-1: none)");

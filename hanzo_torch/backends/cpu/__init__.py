@@ -82,7 +82,7 @@ __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "mul_mat_group", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
            "set_matvec512", "matvec512", "set_matvec_gfni", "matvec_gfni", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks",
-           "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2", "capture",
+           "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2", "set_prefetch_act", "prefetch_act", "capture",
            "GRAPHS"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
@@ -268,13 +268,14 @@ _SWITCHES = (
     ("HANZO_CPU_GFNI", "set_matvec_gfni", "the Q6_K mat-vec's GF2P8AFFINEQB"),
     ("HANZO_CPU_PANELS", "set_panels", "the mat-vec over row-interleaved panels"),
     ("HANZO_CPU_PREFETCH_L2", "set_prefetch_l2", "the mat-vec's prefetch into L2"),
+    ("HANZO_CPU_PREFETCH_ACT", "set_prefetch_act", "the panel mat-vec's activation prefetch"),
 )
 
 
 def check_environment() -> None:
     """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or one of the switch
     variables (``HANZO_CPU_ADAPTIVE_THREADS``, ``_GEMM512``, ``_REPACK``, ``_RANGED_TASKS``,
-    ``_MATVEC512``, ``_GFNI``, ``_PANELS``, ``_PREFETCH_L2``, ``_GRAPH``) is neither 0 nor 1 (cheap: no build,
+    ``_MATVEC512``, ``_GFNI``, ``_PANELS``, ``_PREFETCH_L2``, ``_PREFETCH_ACT``, ``_GRAPH``) is neither 0 nor 1 (cheap: no build,
     no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
@@ -668,6 +669,26 @@ def matvec_gfni() -> bool:
     """Whether the 512-bit Q6_K mat-vec rows use ``vgf2p8affineqb`` where the CPU has it
     (:func:`set_matvec_gfni`)."""
     return bool(_ext_or_raise().matvec_gfni())
+
+
+def set_prefetch_act(enabled: bool) -> None:
+    """In the Q4_K panel mat-vec of weights with K >= 4096 values per row (``avx512`` and
+    ``avx512-sim`` levels; ``avx2`` has more instructions than memory to wait for), prefetch the next
+    256-value block's activation (its int8 values and sums) into L1 (True, the default) or not
+    (False), for A/B runs. From that K on, one 8-row group's pass over the panels no longer fits
+    in a 32 KiB L1 beside the activation, so without it the activation is re-read from L2 for
+    every group. Speed only: the results are the same bits. ``HANZO_CPU_PREFETCH_ACT=0`` (read
+    when the kernels load) sets False.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_prefetch_act(bool(enabled))
+
+
+def prefetch_act() -> bool:
+    """Whether the Q4_K panel mat-vec of K >= 4096 prefetches the activation (:func:`set_prefetch_act`)."""
+    return bool(_ext_or_raise().prefetch_act())
 
 
 def set_panels(enabled: bool) -> None:
