@@ -90,8 +90,10 @@ void hz_run_tasks(int64_t n, int64_t nth, const F& task) {
             ranges[c].v.store((uint64_t)((c + 1) * n / nth) << 32 | (uint64_t)(c * n / nth), std::memory_order_relaxed);
     std::atomic<int64_t> next{0};
     int64_t own_tasks = 0, own_ns = 0;
+    // each range's start and finish (-1: no chunk of at::parallel_for began at that index)
     int64_t began[kHzMaxRanges], ended[kHzMaxRanges];
     const bool timed = nth <= kHzMaxRanges;
+    if (timed) std::fill(began, began + nth, int64_t(-1));
     const int64_t t0 = hz_now_ns();
     at::parallel_for(0, nth, 1, [&](int64_t c, int64_t) {
         // chunk 0 of at::parallel_for runs on the calling thread (OpenMP's master)
@@ -114,10 +116,16 @@ void hz_run_tasks(int64_t n, int64_t nth, const F& task) {
     });
     int64_t skew = 0, tail = 0;
     if (timed) {
-        const int64_t s0 = *std::min_element(began, began + nth), s1 = *std::max_element(began, began + nth);
-        const int64_t e0 = *std::min_element(ended, ended + nth), e1 = *std::max_element(ended, ended + nth);
-        skew = s1 - s0;
-        tail = e1 - e0;
+        int64_t s0 = INT64_MAX, s1 = 0, e0 = INT64_MAX, e1 = 0;
+        for (int64_t c = 0; c < nth; ++c)
+            if (began[c] >= 0) {
+                s0 = std::min(s0, began[c]); s1 = std::max(s1, began[c]);
+                e0 = std::min(e0, ended[c]); e1 = std::max(e1, ended[c]);
+            }
+        if (s1 >= s0) {
+            skew = s1 - s0;
+            tail = e1 - e0;
+        }
     }
     hz_region_report(hz_now_ns() - t0, n, own_tasks, own_ns, skew, tail);
 }
