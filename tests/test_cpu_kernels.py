@@ -418,34 +418,42 @@ def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
     assert not torch.equal(y512, torch.zeros_like(y512))
 
 
-@pytest.mark.parametrize("env, getter, setter", [
-    ("HANZO_CPU_GEMM512", "gemm512", "set_gemm512"),
-    ("HANZO_CPU_MATVEC512", "matvec512", "set_matvec512"),
-    ("HANZO_CPU_GFNI", "matvec_gfni", "set_matvec_gfni"),
-    ("HANZO_CPU_REPACK", "repack", "set_repack"),
-    ("HANZO_CPU_RANGED_TASKS", "ranged_tasks", "set_ranged_tasks"),
-    ("HANZO_CPU_PANELS", "panels", "set_panels"),
-    ("HANZO_CPU_PREFETCH_L2", "prefetch_l2", "set_prefetch_l2"),
-    ("HANZO_CPU_PREFETCH_ACT", "prefetch_act", "set_prefetch_act"),
+@pytest.mark.parametrize("env, getter, setter, default", [
+    ("HANZO_CPU_GEMM512", "gemm512", "set_gemm512", True),
+    ("HANZO_CPU_MATVEC512", "matvec512", "set_matvec512", True),
+    ("HANZO_CPU_GFNI", "matvec_gfni", "set_matvec_gfni", True),
+    ("HANZO_CPU_REPACK", "repack", "set_repack", True),
+    ("HANZO_CPU_RANGED_TASKS", "ranged_tasks", "set_ranged_tasks", True),
+    ("HANZO_CPU_PANELS", "panels", "set_panels", True),
+    ("HANZO_CPU_PREFETCH_L2", "prefetch_l2", "set_prefetch_l2", True),
+    ("HANZO_CPU_PREFETCH_ACT", "prefetch_act", "set_prefetch_act", True),
+    ("HANZO_CPU_PREFETCH_PANELS", "prefetch_panels", "set_prefetch_panels", False),
 ])
-def test_switch_environment_variables(ext, monkeypatch, env, getter, setter):
-    """Each A/B switch of the kernels: read when they load (0 off; 1 or empty on), a malformed
-    value refused by check_environment and, at load, warned about with the default kept."""
+def test_switch_environment_variables(ext, monkeypatch, env, getter, setter, default):
+    """Each A/B switch of the kernels: read when they load (0 off, 1 on, unset or empty its
+    default), a malformed value refused by check_environment and, at load, warned about with the
+    default kept."""
     get, put = getattr(hcpu, getter), getattr(hcpu, setter)
     before = get()
     try:
         put(False)
         assert get() is False and bool(getattr(ext, getter)()) is False
         put(True)
-        for value, on in (("0", False), ("1", True), ("", True)):
+        assert get() is True and bool(getattr(ext, getter)()) is True
+        monkeypatch.delenv(env, raising=False)
+        hcpu._configure(ext)
+        assert get() is default
+        for value, on in (("0", False), ("1", True), ("", default), ("off", False), ("on", True)):
+            put(not on)
             monkeypatch.setenv(env, value)
             hcpu._configure(ext)
             assert get() is on, value
+        put(not default)
         monkeypatch.setenv(env, "maybe")
         with pytest.raises(ValueError, match=env):
             hcpu.check_environment()
-        with pytest.warns(RuntimeWarning, match=env):
+        with pytest.warns(RuntimeWarning, match=f"{env}.*stays {'on' if default else 'off'}"):
             hcpu._configure(ext)
-        assert get() is True
+        assert get() is default
     finally:
         put(before)

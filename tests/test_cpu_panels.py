@@ -222,3 +222,26 @@ def test_activation_prefetch_gives_the_same_bits(ext, isa, M):
     finally:
         hcpu.set_prefetch_act(True)
         ext.drop_panels_of(w)
+
+
+@pytest.mark.parametrize("isa", SIMD)
+@pytest.mark.parametrize("M", [1, 3])
+def test_panel_weight_prefetch_gives_the_same_bits(ext, isa, M):
+    """The panel mat-vec with the rows' weight prefetch (set_prefetch_panels) and without it
+    (the default): the same bits, matching the oracle."""
+    N, K = 40, 6 * 256
+    w = random_blocks("Q4_K", N, K, seed=43)
+    _attach(ext, w)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(44)) * 3
+    before = hcpu.prefetch_panels()
+    try:
+        assert ext.panels_of(w, _tid())
+        hcpu.set_prefetch_panels(True)
+        on = hcpu.mul_mat(x, w, "Q4_K", isa=isa)
+        hcpu.set_prefetch_panels(False)
+        off = hcpu.mul_mat(x, w, "Q4_K", isa=isa)
+        assert torch.equal(on, off)
+        assert_tight(off, act_dequant(ext, x, 256), gguf_dequant("Q4_K", w, K), f"panel-prefetch/{isa}/M{M}")
+    finally:
+        hcpu.set_prefetch_panels(before)
+        ext.drop_panels_of(w)

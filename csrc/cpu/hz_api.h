@@ -90,9 +90,13 @@ extern int hz_matvec512;
 // 1: those 512-bit Q6_K rows assemble the six-bit values with GF2P8AFFINEQB where the CPU reports
 // gfni (always on avx512-sim, through SIMDe); 0: shifts and masks. Same bits. HANZO_CPU_GFNI.
 extern int hz_matvec_gfni;
-// 1: the AVX-512 levels' Q4_K panel mat-vec of K >= 4096 prefetches each next block's activation
-// into L1 (kernels_panels.h); 0: it does not. Same bits. HANZO_CPU_PREFETCH_ACT.
+// 1: the Q4_K panel mat-vec of K >= 4096 prefetches each next block's activation into L1
+// (kernels_panels.h); 0: it does not. Same bits. HANZO_CPU_PREFETCH_ACT.
 extern int hz_prefetch_act;
+// 1: the Q4_K panel mat-vec prefetches its weight stream as the rows do (hz_prefetch_stream);
+// 0 (the default): it leaves the panels to the hardware prefetchers. Same bits.
+// HANZO_CPU_PREFETCH_PANELS.
+extern int hz_prefetch_panels;
 // 1: the 256-bit GEMM of Q4_K and Q6_K repacks each weight panel into rows interleaved 8 at a
 // time (gemm_il_q4k, gemm_il_q6k, kernels_gemm.h); 0: the row tiles. HANZO_CPU_REPACK.
 extern int hz_cpu_repack;

@@ -30,14 +30,9 @@ static void panels_q4k_tile(const uint8_t* P, int64_t K, int64_t n0, int64_t n1,
     // A group's pass reads 4.6 K bytes of panels and 1.1 K of activation (q8, sums per 16): from
     // K = 4096 on that passes a 32 KiB L1, and the panels streaming through it evict the activation
     // before the next group comes back to it. Prefetching the next block's activation into L1 then
-    // keeps its loads off L2 (AVX-512 levels; Zen 4, ffn_down [1536, 8960], fast minutes: 46.8 ->
-    // 50.9 GB/s, 73 rounds). The avx2 level runs out of instructions first there (ffn_down 39.7 ->
-    // 38.1 on the same box), so it does without.
-#if HZ_ISA >= 2
+    // keeps its loads off L2 (Zen 4, ffn_down [1536, 8960], fast minutes: avx512 level 46.8 -> 50.9
+    // GB/s in 73 rounds, avx2 level 43.1 -> 46.9 in 67).
     const bool act_pf = hz_prefetch_act && K >= 4096;
-#else
-    const bool act_pf = false;
-#endif
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i ones = _mm256_load_si256(hz_ones16());
     const int8_t* xq[MR]; const float* xd[MR]; const int16_t* xs[MR];
@@ -52,7 +47,7 @@ static void panels_q4k_tile(const uint8_t* P, int64_t K, int64_t n0, int64_t n1,
             for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
             for (int64_t b = kp; b < ke; ++b) {
                 const uint8_t* pb = pg + b * HZ_Q4K_PANEL_BYTES;
-                hz_prefetch_stream(pb, HZ_Q4K_PANEL_BYTES);
+                if (hz_prefetch_panels) hz_prefetch_stream(pb, HZ_Q4K_PANEL_BYTES);  // off by default (ops.cpp)
                 if (act_pf && b + 1 < nb)
                     for (int m = 0; m < MR; ++m) {
                         const char* xn = (const char*)(xq[m] + (b + 1) * 256);

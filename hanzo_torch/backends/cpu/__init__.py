@@ -82,7 +82,8 @@ __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "mul_mat_group", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
            "set_matvec512", "matvec512", "set_matvec_gfni", "matvec_gfni", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks",
-           "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2", "set_prefetch_act", "prefetch_act", "capture",
+           "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2", "set_prefetch_act", "prefetch_act",
+           "set_prefetch_panels", "prefetch_panels", "capture",
            "GRAPHS"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
@@ -248,42 +249,43 @@ _default_level: Optional[int] = None
 _ADAPTIVE_VALUES = {"": True, "1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
 
 
-def _flag_env(name: str) -> bool:
-    """A default-on switch ``name``: unset/1/on/true or 0/off/false; ValueError otherwise."""
+def _flag_env(name: str, default: bool = True) -> bool:
+    """A switch ``name``: 1/on/true or 0/off/false, ``default`` when unset or empty; ValueError otherwise."""
     raw = os.environ.get(name, "")
-    value = _ADAPTIVE_VALUES.get(raw.strip().lower())
+    value = default if not raw.strip() else _ADAPTIVE_VALUES.get(raw.strip().lower())
     if value is None:
         raise ValueError(f"{name}={raw!r}: expected 0 or 1 (or off/on, false/true)")
     return value
 
 
 # The kernels' on/off switches read from the environment when they load: (variable, extension
-# setter, what stays on when the value is malformed). All default to on.
+# setter, what the setting governs, its default when unset, empty or malformed).
 _SWITCHES = (
-    ("HANZO_CPU_ADAPTIVE_THREADS", "set_adaptive_threads", "the adaptive thread count"),
-    ("HANZO_CPU_GEMM512", "set_gemm512", "the 512-bit GEMM"),
-    ("HANZO_CPU_REPACK", "set_repack", "the row-interleaved Q4_K / Q6_K GEMM"),
-    ("HANZO_CPU_RANGED_TASKS", "set_ranged_tasks", "the split into contiguous task ranges"),
-    ("HANZO_CPU_MATVEC512", "set_matvec512", "the 512-bit mat-vec"),
-    ("HANZO_CPU_GFNI", "set_matvec_gfni", "the Q6_K mat-vec's GF2P8AFFINEQB"),
-    ("HANZO_CPU_PANELS", "set_panels", "the mat-vec over row-interleaved panels"),
-    ("HANZO_CPU_PREFETCH_L2", "set_prefetch_l2", "the mat-vec's prefetch into L2"),
-    ("HANZO_CPU_PREFETCH_ACT", "set_prefetch_act", "the panel mat-vec's activation prefetch"),
+    ("HANZO_CPU_ADAPTIVE_THREADS", "set_adaptive_threads", "the adaptive thread count", True),
+    ("HANZO_CPU_GEMM512", "set_gemm512", "the 512-bit GEMM", True),
+    ("HANZO_CPU_REPACK", "set_repack", "the row-interleaved Q4_K / Q6_K GEMM", True),
+    ("HANZO_CPU_RANGED_TASKS", "set_ranged_tasks", "the split into contiguous task ranges", True),
+    ("HANZO_CPU_MATVEC512", "set_matvec512", "the 512-bit mat-vec", True),
+    ("HANZO_CPU_GFNI", "set_matvec_gfni", "the Q6_K mat-vec's GF2P8AFFINEQB", True),
+    ("HANZO_CPU_PANELS", "set_panels", "the mat-vec over row-interleaved panels", True),
+    ("HANZO_CPU_PREFETCH_L2", "set_prefetch_l2", "the mat-vec's prefetch into L2", True),
+    ("HANZO_CPU_PREFETCH_ACT", "set_prefetch_act", "the panel mat-vec's activation prefetch", True),
+    ("HANZO_CPU_PREFETCH_PANELS", "set_prefetch_panels", "the panel mat-vec's weight prefetch", False),
 )
 
 
 def check_environment() -> None:
     """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or one of the switch
     variables (``HANZO_CPU_ADAPTIVE_THREADS``, ``_GEMM512``, ``_REPACK``, ``_RANGED_TASKS``,
-    ``_MATVEC512``, ``_GFNI``, ``_PANELS``, ``_PREFETCH_L2``, ``_PREFETCH_ACT``, ``_GRAPH``) is neither 0 nor 1 (cheap: no build,
-    no CPU probe).
+    ``_MATVEC512``, ``_GFNI``, ``_PANELS``, ``_PREFETCH_L2``, ``_PREFETCH_ACT``, ``_PREFETCH_PANELS``,
+    ``_GRAPH``) is neither 0 nor 1 (cheap: no build, no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
     """
     if _FORCED_ISA and _FORCED_ISA not in _ISA_BY_NAME:
         raise ValueError(f"HANZO_CPU_ISA={_FORCED_ISA!r}: expected one of {', '.join(_ISA_BY_NAME)}")
-    for env, _, _ in _SWITCHES:
-        _flag_env(env)
+    for env, _, _, default in _SWITCHES:
+        _flag_env(env, default)
     _flag_env("HANZO_CPU_GRAPH")
 
 
@@ -516,12 +518,12 @@ def _configure(ext) -> None:
     qtypes = {f.name: f.type_id for f in FORMATS.values() if f.type_id in ids}
     lacking = [f.name for f in FORMATS.values() if not f.dense and f.name not in qtypes]
     ext.configure(qtypes, lacking, int(default_isa()), int(MV_MAX_ROWS))
-    for env, setter, what in _SWITCHES:
+    for env, setter, what, default in _SWITCHES:
         try:
-            on = _flag_env(env)
+            on = _flag_env(env, default)
         except ValueError as e:  # a typo warns here (check_environment raises it before a model load)
-            warnings.warn(f"hanzo_torch: {e}; {what} stays on", RuntimeWarning, stacklevel=2)
-            on = True
+            warnings.warn(f"hanzo_torch: {e}; {what} stays {'on' if default else 'off'}", RuntimeWarning, stacklevel=2)
+            on = default
         getattr(ext, setter)(on)
 
 
@@ -672,8 +674,7 @@ def matvec_gfni() -> bool:
 
 
 def set_prefetch_act(enabled: bool) -> None:
-    """In the Q4_K panel mat-vec of weights with K >= 4096 values per row (``avx512`` and
-    ``avx512-sim`` levels; ``avx2`` has more instructions than memory to wait for), prefetch the next
+    """In the Q4_K panel mat-vec of weights with K >= 4096 values per row, prefetch the next
     256-value block's activation (its int8 values and sums) into L1 (True, the default) or not
     (False), for A/B runs. From that K on, one 8-row group's pass over the panels no longer fits
     in a 32 KiB L1 beside the activation, so without it the activation is re-read from L2 for
@@ -689,6 +690,26 @@ def set_prefetch_act(enabled: bool) -> None:
 def prefetch_act() -> bool:
     """Whether the Q4_K panel mat-vec of K >= 4096 prefetches the activation (:func:`set_prefetch_act`)."""
     return bool(_ext_or_raise().prefetch_act())
+
+
+def set_prefetch_panels(enabled: bool) -> None:
+    """Give the Q4_K panel mat-vec the rows' software prefetch of its weight stream
+    (:func:`set_prefetch_l2`; True) or no software prefetch (False, the default), for A/B runs and
+    for CPUs whose hardware prefetchers fall behind a panel stream. Each thread reads its panels
+    in address order; on Zen 4 dropping the prefetch made a decoded token 10% faster on the
+    ``avx2`` level where memory is fast and changed nothing on ``avx512`` (csrc/cpu/ops.cpp).
+    Speed only: the results are the same bits. ``HANZO_CPU_PREFETCH_PANELS=1`` (read when the
+    kernels load) sets True.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_prefetch_panels(bool(enabled))
+
+
+def prefetch_panels() -> bool:
+    """Whether the Q4_K panel mat-vec prefetches its weights (:func:`set_prefetch_panels`)."""
+    return bool(_ext_or_raise().prefetch_panels())
 
 
 def set_panels(enabled: bool) -> None:
@@ -713,7 +734,7 @@ def panels() -> bool:
 def set_prefetch_l2(enabled: bool) -> None:
     """On the AVX-512 levels (``avx512``, ``avx512-sim``), prefetch the mat-vec's weight stream
     into L2 only, 8 KiB ahead (True, the default), or into L1, 2 KiB ahead (False), for A/B runs;
-    rows and panels alike. The ``avx2`` level always prefetches into L1 (it gained nothing from the
+    the rows, and the Q4_K panels where :func:`set_prefetch_panels` is on. The ``avx2`` level always prefetches into L1 (it gained nothing from the
     L2 prefetch). Speed only: the results are the same bits. ``HANZO_CPU_PREFETCH_L2=0`` (read when
     the kernels load) sets False. The measurements behind the default are in csrc/cpu/ops.cpp (Zen 4).
 
