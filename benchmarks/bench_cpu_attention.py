@@ -4,7 +4,8 @@ Qwen2.5-1.5B: 12 query heads, 2 KV heads, head dim 128. Prefill: a prompt of T t
 position 0 against a cache of S slots; decode: one token at position P. Prints the median and
 range (min-max) of ``--reps`` timings, and the GFLOP/s of the causal work (4*D flops per visible
 (query head, key) pair). Calls of T > 1 tokens run once per kernel of ``--paths`` (``flash``: the
-online-softmax tiles, the default kernel; ``gemm``: the earlier BLAS GEMM tiles), the kernels
+online-softmax tiles, the default kernel; ``gemm``: the earlier BLAS GEMM tiles; ``flash-dot``:
+the flash tiles scored by dot products over D), the kernels
 alternating within each repetition so that load hits both alike; one-token calls likewise per
 kernel of ``--decode-paths`` (``flash``: the same tiles, the default; ``rows``: split-K row by
 row). ``--kv`` picks the KV cache element format, ``--depth`` the tokens already in the cache
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--kv", default="f32", choices=list(ref.KV_CACHE_DTYPES), help="KV cache element format")
-    ap.add_argument("--paths", default="flash,gemm", help="kernels of T > 1 calls to compare: flash, gemm")
+    ap.add_argument("--paths", default="flash,gemm", help="kernels of T > 1 calls to compare: flash, gemm, flash-dot")
     ap.add_argument("--decode-paths", default="flash,rows", help="kernels of one-token calls: flash, rows")
     ap.add_argument("--depth", type=int, default=0, help="prefill: tokens already in the cache")
     args = ap.parse_args()

@@ -157,6 +157,28 @@ def test_gemm_path_agrees_and_switch_restores():
             pass
 
 
+@pytest.mark.parametrize("D", [36, 40, 128])
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_gemm_and_dot_scores_agree(D, kv):
+    """A prompt tile's scores by the GEMM over its transposed key tile (the default, tiles of at
+    least 24 rows) and by dot products over D (``flash-dot``): both within the tolerance of the
+    reference, with head dims that leave a transpose remainder (36: D % 8 = 4) or not, key tiles
+    ending off a multiple of 8 and tiles of both kinds (48 and 18 rows) in one call; the switch
+    restores the default."""
+    T = 2 * 8 + 3
+    q, kc, vc, pos = inputs(1, 12, 2, D, 120, [gapped(T, 30, seed=D)], kv=kv, seed=D)
+    scale = 1 / math.sqrt(D)
+    want = expect(q, kc, vc, pos, scale)
+    out = cf.attention(q, kc, vc, pos, scale)
+    with cf.use_attention_prefill("flash-dot"):
+        dot = cf.attention(q, kc, vc, pos, scale)
+    close(out, want, torch.float32)
+    close(dot, want, torch.float32)
+    assert torch.equal(cf.attention(q, kc, vc, pos, scale), out)
+    with hcpu.use_isa("scalar"):
+        close(cf.attention(q, kc, vc, pos, scale), want, torch.float32)
+
+
 @pytest.mark.parametrize("kv", ["f32", "f16", "bf16", "q8_0"])
 def test_one_token_tiles_and_rows_kernel(kv):
     """One query token per sequence (decode): the tiles (default) and the row-by-row kernel of

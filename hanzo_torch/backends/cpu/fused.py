@@ -106,9 +106,11 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, sc
     return op(q, k_cache, v_cache, positions, scale)
 
 
-ATTENTION_PREFILL_PATHS = ("flash", "gemm")
+ATTENTION_PREFILL_PATHS = ("flash", "gemm", "flash-dot")
 """Kernels of CPU attention calls with T > 1 query tokens: ``flash`` (the default: online-softmax
-tiles) and ``gemm`` (the earlier kernel: BLAS GEMM tiles from 8 tokens, the decode kernel below)."""
+tiles, a prompt tile's scores by a GEMM over its key tile transposed), ``gemm`` (the earlier
+kernel: BLAS GEMM tiles from 8 tokens, the decode kernel below) and ``flash-dot`` (the flash tiles
+with every tile's scores as dot products over the head dimension)."""
 
 
 @contextlib.contextmanager
