@@ -203,47 +203,30 @@ def test_prefetch_into_l2_or_l1_gives_the_same_bits(ext, isa):
         ext.drop_panels_of(cases[-1][1])
 
 
-@pytest.mark.parametrize("isa", SIMD)
-@pytest.mark.parametrize("M", [1, 2])
-def test_activation_prefetch_gives_the_same_bits(ext, isa, M):
-    """K >= 4096 (17 blocks: the prefetch of each next block's activation runs, across the K
-    panels' boundaries and up to the last block): the panels' results are the same bits with the
-    activation prefetch on and off, and match the oracle."""
-    N, K = 24, 17 * 256
-    w = random_blocks("Q4_K", N, K, seed=41)
-    _attach(ext, w)
-    x = torch.randn(M, K, generator=torch.Generator().manual_seed(42)) * 3
-    try:
-        assert ext.panels_of(w, _tid())
-        hcpu.set_prefetch_act(True)
-        on = hcpu.mul_mat(x, w, "Q4_K", isa=isa)
-        hcpu.set_prefetch_act(False)
-        off = hcpu.mul_mat(x, w, "Q4_K", isa=isa)
-        assert torch.equal(on, off)
-        assert_tight(on, act_dequant(ext, x, 256), gguf_dequant("Q4_K", w, K), f"act-prefetch/{isa}/M{M}")
-    finally:
-        hcpu.set_prefetch_act(True)
-        ext.drop_panels_of(w)
+# (switch, rows, K): the activation prefetch runs from K >= 4096 (17 blocks: across the K panels'
+# boundaries up to the last block); the weight prefetch at any K
+PREFETCHES = [("prefetch_act", 24, 17 * 256), ("prefetch_panels", 40, 6 * 256)]
 
 
 @pytest.mark.parametrize("isa", SIMD)
 @pytest.mark.parametrize("M", [1, 3])
-def test_panel_weight_prefetch_gives_the_same_bits(ext, isa, M):
-    """The panel mat-vec with the rows' weight prefetch (set_prefetch_panels) and without it
-    (the default): the same bits, matching the oracle."""
-    N, K = 40, 6 * 256
-    w = random_blocks("Q4_K", N, K, seed=43)
+@pytest.mark.parametrize("switch, N, K", PREFETCHES)
+def test_prefetch_switches_give_the_same_bits(ext, isa, M, switch, N, K):
+    """The panels' results with the activation prefetch (set_prefetch_act) or the rows' weight
+    prefetch (set_prefetch_panels) on and off: the same bits, matching the oracle."""
+    get, put = getattr(hcpu, switch), getattr(hcpu, "set_" + switch)
+    w = random_blocks("Q4_K", N, K, seed=41 + N)
     _attach(ext, w)
-    x = torch.randn(M, K, generator=torch.Generator().manual_seed(44)) * 3
-    before = hcpu.prefetch_panels()
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(42 + N)) * 3
+    before = get()
     try:
         assert ext.panels_of(w, _tid())
-        hcpu.set_prefetch_panels(True)
+        put(True)
         on = hcpu.mul_mat(x, w, "Q4_K", isa=isa)
-        hcpu.set_prefetch_panels(False)
+        put(False)
         off = hcpu.mul_mat(x, w, "Q4_K", isa=isa)
         assert torch.equal(on, off)
-        assert_tight(off, act_dequant(ext, x, 256), gguf_dequant("Q4_K", w, K), f"panel-prefetch/{isa}/M{M}")
+        assert_tight(on, act_dequant(ext, x, 256), gguf_dequant("Q4_K", w, K), f"{switch}/{isa}/M{M}")
     finally:
-        hcpu.set_prefetch_panels(before)
+        put(before)
         ext.drop_panels_of(w)
