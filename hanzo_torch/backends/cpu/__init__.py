@@ -675,7 +675,7 @@ def matvec_gfni() -> bool:
 
 def set_prefetch_act(enabled: bool) -> None:
     """In the Q4_K panel mat-vec of weights with K >= 4096 values per row, prefetch the next
-    256-value block's activation (its int8 values and sums) into L1 (True, the default) or not
+    256-value block's activation (its int8 values) into L1 (True, the default) or not
     (False), for A/B runs. From that K on, one 8-row group's pass over the panels no longer fits
     in a 32 KiB L1 beside the activation, so without it the activation is re-read from L2 for
     every group. Speed only: the results are the same bits. ``HANZO_CPU_PREFETCH_ACT=0`` (read
