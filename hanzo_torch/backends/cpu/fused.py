@@ -119,7 +119,7 @@ def use_attention_prefill(path: str) -> Iterator[None]:
 
     ``path`` is one of :data:`ATTENTION_PREFILL_PATHS`. The choice is process-wide (every thread,
     every caller of ``torch.ops.hanzo.attention`` on CPU tensors) and is restored on exit; it is
-    meant for comparing the two kernels in one process (tests, benchmarks).
+    meant for comparing the kernels in one process (tests, benchmarks).
 
     Raises:
         ValueError: ``path`` is not one of :data:`ATTENTION_PREFILL_PATHS`.
