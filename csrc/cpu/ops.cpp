@@ -1227,10 +1227,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_matvec512", [](bool on) { hz_matvec512 = on ? 1 : 0; }, "AVX-512 level: 512-bit Q4_K/Q6_K mat-vec rows (true) or the 256-bit ones");
     m.def("matvec512", []() { return hz_matvec512 != 0; }, "whether the AVX-512 level's Q4_K/Q6_K mat-vec uses its 512-bit rows");
     m.def("set_prefetch_act", [](bool on) { hz_prefetch_act = on ? 1 : 0; }, "Q4_K panel mat-vec of K >= 4096: prefetch the next block's activation into L1 (true) or not");
+    m.def("prefetch_act", []() { return hz_prefetch_act != 0; }, "whether the Q4_K panel mat-vec of K >= 4096 prefetches the next block's activation");
     m.def("set_prefetch_panels", [](bool on) { hz_prefetch_panels = on ? 1 : 0; },
           "Q4_K panel mat-vec: software prefetch of the weight panels as the rows have it (true) or none (false)");
     m.def("prefetch_panels", []() { return hz_prefetch_panels != 0; }, "whether the Q4_K panel mat-vec prefetches its weights");
-    m.def("prefetch_act", []() { return hz_prefetch_act != 0; }, "whether the Q4_K panel mat-vec of K >= 4096 prefetches the next block's activation");
     m.def("set_matvec_gfni", [](bool on) { hz_matvec_gfni = on ? 1 : 0; }, "AVX-512 level: the 512-bit Q6_K rows with GF2P8AFFINEQB where the CPU has it (true) or shifts and masks");
     m.def("matvec_gfni", []() { return hz_matvec_gfni != 0; }, "whether the 512-bit Q6_K rows use GF2P8AFFINEQB where the CPU has it");
     m.def("panel_bytes", &panel_bytes, "bytes of the row-interleaved panels of an [N, rb] weight of a ggml type (-1: none)");
