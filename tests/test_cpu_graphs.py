@@ -92,6 +92,46 @@ def test_graph_nodes_of_a_decode_step(files):
         assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("panels", [True, False])
+def test_graph_accounts_the_weights_each_node_streams(files, panels):
+    """CpuGraph.weights: per mat-vec node, each weight's rows (by address, in the op's order) and
+    the bytes its kernel reads: the panels' where the mat-vec takes panels, else the rows'."""
+    model = hanzo_torch.load(files["qwen2"], max_context=32)
+    ext = cpu.extension()
+    name_of = {p.packed.data_ptr(): n for n, p in model.named_parameters() if hasattr(p, "packed")}
+    params = dict(model.named_parameters())
+    ids, pos = torch.tensor([[3]]), torch.tensor([[2]])
+    try:
+        cpu.set_panels(panels)
+        with torch.inference_mode():
+            model(torch.tensor([[1, 2]]))
+            graph, _ = cpu.capture(lambda: model(ids, positions=pos, last_only=True), 0)
+    finally:
+        cpu.set_panels(True)
+    weights = graph.weights
+    assert len(weights) == len(graph)
+    names = [[name_of[a] for a, _ in ws] for ws in weights]
+    L = model.args.n_layer
+    expect = [[], []]
+    for i in range(L):
+        b = f"blk.{i}."
+        expect += [[b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"], [], [], [b + "attn_output.weight"],
+                   [], [b + "ffn_gate.weight", b + "ffn_up.weight"], [b + "ffn_down.weight"], []]
+    out = "output.weight" if "output.weight" in params else "token_embd.weight"
+    assert names == expect + [[out]]
+    seen_panels = 0
+    for ws in weights:
+        for a, nbytes in ws:
+            p = params[name_of[a]]
+            rows = p.packed.numel()
+            if panels and p.qtype == "Q4_K" and ext.panels_of(p.packed, cpu._type_id("Q4_K")):
+                assert nbytes == ext.panel_bytes(cpu._type_id("Q4_K"), *p.packed.shape) > rows
+                seen_panels += 1
+            else:
+                assert nbytes == rows
+    assert (seen_panels > 0) == panels
+
+
 def test_replay_reads_the_inputs_it_was_captured_with():
     w = random_blocks("Q4_K", 64, 256, seed=1)
     x = torch.randn(1, 256)

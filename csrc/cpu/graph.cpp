@@ -13,6 +13,7 @@ namespace {
 struct Node {
     std::string op;
     std::function<void()> run;
+    std::vector<std::pair<int64_t, int64_t>> weights;  // (rows' address, bytes read) per streamed weight
 };
 
 struct Graph {
@@ -34,6 +35,11 @@ struct Graph {
     std::vector<std::string> ops() const {
         std::vector<std::string> r;
         for (const Node& n : nodes) r.push_back(n.op);
+        return r;
+    }
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> weights() const {
+        std::vector<std::vector<std::pair<int64_t, int64_t>>> r;
+        for (const Node& n : nodes) r.push_back(n.weights);
         return r;
     }
 };
@@ -150,7 +156,8 @@ std::shared_ptr<Graph> end(const std::vector<at::Tensor>& outputs) {
 
 bool hz_graph_capturing() { return current() != nullptr; }
 
-void hz_graph_record(const char* op, std::function<void()> run, std::vector<at::Tensor> outputs) {
+void hz_graph_record(const char* op, std::function<void()> run, std::vector<at::Tensor> outputs,
+                     std::vector<std::pair<int64_t, int64_t>> weights) {
     Capture* c = current();
     if (c == nullptr) return;
     // a node belongs to the hanzo op being run (a kernel that reaches another op's kernel in C++,
@@ -161,7 +168,7 @@ void hz_graph_record(const char* op, std::function<void()> run, std::vector<at::
         return;
     }
     for (const at::Tensor& t : outputs) c->written.insert(t.storage().data());
-    c->graph->nodes.push_back(Node{op, std::move(run)});
+    c->graph->nodes.push_back(Node{op, std::move(run), std::move(weights)});
 }
 
 void hz_graph_reject(const char* op, const std::string& why) {
@@ -177,6 +184,9 @@ void hz_graph_bind(pybind11::module_& m) {
         .def("replay_timed", &Graph::replay_timed, py::call_guard<py::gil_scoped_release>(),
              "replay once, timing each node: wall ns per node, in the order of ops")
         .def_property_readonly("ops", &Graph::ops, "the hanzo op of each node, in order")
+        .def_property_readonly("weights", &Graph::weights,
+                               "per node, in order: (address of the packed rows, bytes its kernel reads for them) of "
+                               "each weight it streams (the panels' bytes where it reads panels); [] for other nodes")
         .def("__len__", [](const Graph& g) { return g.nodes.size(); });
     m.def("graph_begin", &begin, "start capturing the hanzo ops called on this thread into a CPU graph");
     m.def("graph_end", &end, py::arg("outputs"),

@@ -24,8 +24,11 @@
 // True on the thread capturing a graph, while it captures.
 bool hz_graph_capturing();
 // Appends a node to the graph being captured: run() redoes op's work into `outputs`, the tensors
-// whose storage the captured call's results live in.
-void hz_graph_record(const char* op, std::function<void()> run, std::vector<at::Tensor> outputs);
+// whose storage the captured call's results live in. weights: (address of the packed rows, bytes
+// the node's kernel reads for them) of each weight it streams, for the per-node accounting of
+// CpuGraph.weights (a mat-vec over panels reads the panels' bytes).
+void hz_graph_record(const char* op, std::function<void()> run, std::vector<at::Tensor> outputs,
+                     std::vector<std::pair<int64_t, int64_t>> weights = {});
 // The captured call of op cannot be replayed, for this reason: the capture fails with it at its end.
 void hz_graph_reject(const char* op, const std::string& why);
 // The pybind side: graph_begin(), graph_end(outputs) -> CpuGraph, graph_abort(), CpuGraph.replay().

@@ -799,6 +799,14 @@ bool positions_in(const at::Tensor& pos, int64_t S) {
     return true;
 }
 
+// A graph node's account of weight w (format tid) at M activation rows: the rows' address and the
+// bytes the mat-vec reads for them, its panels' where run_matmul takes them.
+std::pair<int64_t, int64_t> graph_weight(const at::Tensor& w, int64_t tid, int64_t M) {
+    const HzFormatKernels& fk = format_kernels(isa_table(g_isa.load(std::memory_order_relaxed)), tid);
+    const bool panels = fk.matvec_panels && M <= g_mv_max.load(std::memory_order_relaxed) && panels_for(w, tid);
+    return {(int64_t)(intptr_t)w.data_ptr(), panels ? panel_bytes(tid, w.size(0), w.size(1)) : (int64_t)w.nbytes()};
+}
+
 at::Tensor mul_mat_cpu(const at::Tensor& x, const at::Tensor& w, c10::string_view qtype) {
     int64_t tid;
     if (use_ref(MUL_MAT) || !is_act(x) || x.dim() < 1 || !packed_ok(w, 2, qtype, x.size(-1), &tid)) {
@@ -811,7 +819,7 @@ at::Tensor mul_mat_cpu(const at::Tensor& x, const at::Tensor& w, c10::string_vie
         hz_graph_record("hanzo::mul_mat", [rows = graph_rows(x), w, tid, y, sc]() {
             mul_mat(rows(), w, tid, g_isa.load(std::memory_order_relaxed), g_mv_max.load(std::memory_order_relaxed), &y,
                     sc.get());
-        }, {y});
+        }, {y}, {graph_weight(w, tid, y.size(0))});
     }
     return to_act(y, x, w.size(0));
 }
@@ -848,7 +856,7 @@ at::Tensor swiglu_mul_mat_cpu(const at::Tensor& x, const at::Tensor& wg, const a
         hz_graph_record("hanzo::swiglu_mul_mat", [rows = graph_rows(x), wg, wu, tg, tu, y, sc]() {
             swiglu_mul_mat(rows(), wg, wu, tg, tu, g_isa.load(std::memory_order_relaxed),
                            g_mv_max.load(std::memory_order_relaxed), 0, &y, sc.get());
-        }, {y});
+        }, {y}, {graph_weight(wg, tg, y.size(0)), graph_weight(wu, tu, y.size(0))});
     }
     return to_act(y, x, wg.size(0));
 }
@@ -885,7 +893,11 @@ std::vector<at::Tensor> mul_mat_group_cpu(const at::Tensor& x, at::TensorList w,
         hz_graph_record("hanzo::mul_mat_group", [rows = graph_rows(x), ws, tids, bs, ys, sc]() {
             mul_mat_group(rows(), ws, tids, bs, g_isa.load(std::memory_order_relaxed),
                           g_mv_max.load(std::memory_order_relaxed), &ys, sc.get());
-        }, ys);
+        }, ys, [&] {
+            std::vector<std::pair<int64_t, int64_t>> wts;
+            for (int64_t i = 0; i < G; ++i) wts.push_back(graph_weight(ws[i], tids[i], ys[i].size(0)));
+            return wts;
+        }());
     }
     for (int64_t i = 0; i < G; ++i) ys[i] = to_act(ys[i], x, w[i].size(0));
     return ys;
