@@ -428,6 +428,7 @@ def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
     ("HANZO_CPU_PREFETCH_L2", "prefetch_l2", "set_prefetch_l2", True),
     ("HANZO_CPU_PREFETCH_ACT", "prefetch_act", "set_prefetch_act", True),
     ("HANZO_CPU_PREFETCH_PANELS", "prefetch_panels", "set_prefetch_panels", False),
+    ("HANZO_CPU_ADAPTIVE_PREFETCH", "adaptive_prefetch", "set_adaptive_prefetch", True),
 ])
 def test_switch_environment_variables(ext, monkeypatch, env, getter, setter, default):
     """Each A/B switch of the kernels: read when they load (0 off, 1 on, unset or empty its

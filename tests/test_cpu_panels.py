@@ -203,6 +203,50 @@ def test_prefetch_into_l2_or_l1_gives_the_same_bits(ext, isa):
         ext.drop_panels_of(cases[-1][1])
 
 
+@pytest.mark.parametrize("isa", SIMD)
+def test_adaptive_prefetch_gives_the_same_bits(ext, isa):
+    """mul_mat's row mat-vec choosing its prefetch per weight (set_adaptive_prefetch, both arms
+    taken over 20 calls) gives the bits of the fixed prefetch and of none, on a weight large enough
+    for the parallel split that makes the choice (Q6_K has no panels; Q4_K with panels off)."""
+    cases = [("Q6_K", random_blocks("Q6_K", 512, 1536, seed=3)), ("Q4_K", random_blocks("Q4_K", 256, 2048, seed=4))]
+    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(5)) * 3
+    before = hcpu.adaptive_prefetch()
+    try:
+        hcpu.set_panels(False)
+        for q, w in cases:
+            K = w.shape[1] // (210 if q == "Q6_K" else 144) * 256
+            xs = x[:, :K].contiguous()
+            hcpu.set_adaptive_prefetch(False)
+            fixed = hcpu.mul_mat(xs, w, q, isa=isa)
+            ext.set_prefetch_bytes(0, 0)
+            assert torch.equal(hcpu.mul_mat(xs, w, q, isa=isa), fixed), q
+            ext.set_prefetch_bytes(2048, 8192)
+            hcpu.set_adaptive_prefetch(True)
+            for _ in range(20):
+                assert torch.equal(hcpu.mul_mat(xs, w, q, isa=isa), fixed), q
+            assert_tight(fixed, act_dequant(ext, xs, 256), gguf_dequant(q, w, K), f"adaptive/{q}/{isa}")
+    finally:
+        hcpu.set_panels(True)
+        hcpu.set_adaptive_prefetch(before)
+        ext.set_prefetch_bytes(2048, 8192)
+
+
+def test_the_weight_prefetch_is_built():
+    """The AVX-512 unit's L2 prefetch (prefetcht2) is in the built extension. GCC counts
+    __builtin_prefetch as free of side effects and deleted a prefetch helper it had left out of
+    line, prefetches and all (csrc/cpu/kernels.h, hz_prefetch_stream)."""
+    import shutil
+    import subprocess
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed")
+    so = hcpu.extension().__file__
+    out = subprocess.run([objdump, "-d", "--no-show-raw-insn", so], capture_output=True, text=True, check=True).stdout
+    assert out.count("prefetcht2") >= 8, "the AVX-512 mat-vec's L2 prefetch is missing from the built code"
+    assert out.count("prefetcht0") >= 8
+
+
 # (switch, rows, K): the activation prefetch runs from K >= 4096 (17 blocks: across the K panels'
 # boundaries up to the last block); the weight prefetch at any K
 PREFETCHES = [("prefetch_act", 24, 17 * 256), ("prefetch_panels", 40, 6 * 256)]

@@ -30,6 +30,9 @@ struct HzAct {
     const float* sf;  // d * s as float, [M][K/16] (the min terms of the GEMM use it)
     int64_t K;
     int64_t qa;
+    // 1: the mat-vec kernels skip their software prefetch of the weight stream in this call (the
+    // per-weight choice of ops.cpp's adaptive prefetch); the same bits either way.
+    int32_t no_prefetch = 0;
 };
 
 // y[m*ldy + n] = sum_k x[m,k] * W[n,k] for n in [n0, n1), m in [0, M).
@@ -90,6 +93,9 @@ extern int hz_matvec512;
 // 1: those 512-bit Q6_K rows assemble the six-bit values with GF2P8AFFINEQB where the CPU reports
 // gfni (always on avx512-sim, through SIMDe); 0: shifts and masks. Same bits. HANZO_CPU_GFNI.
 extern int hz_matvec_gfni;
+// 1: mul_mat's row mat-vec chooses per weight, by measured speed, between the software prefetch the
+// switches above give and none (ops.cpp, PrefetchChoice); 0: always the switches' prefetch.
+extern int hz_adaptive_prefetch;
 // 1: the Q4_K panel mat-vec of K >= 4096 prefetches each next block's activation into L1
 // (kernels_panels.h); 0: it does not. Same bits. HANZO_CPU_PREFETCH_ACT.
 extern int hz_prefetch_act;

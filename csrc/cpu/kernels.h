@@ -420,8 +420,14 @@ static const __m256i* hz_ones16() { static const int16_t o[16] __attribute__((al
 // Software prefetch of a mat-vec's weight stream, for the cache lines of [p, p + n): on the
 // AVX-512 levels while hz_prefetch_l2 is on, into L2 only (prefetcht2) hz_prefetch_l2_bytes ahead;
 // otherwise, and always on the avx2 level, into L1 (prefetcht0) hz_prefetch_bytes ahead. A distance
-// of 0 prefetches nothing (hz_api.h; the measurements are in ops.cpp).
-static inline void hz_prefetch_stream(const uint8_t* p, int n) {
+// of 0 prefetches nothing, as does an activation marked no_prefetch (hz_api.h; the measurements
+// are in ops.cpp).
+// always_inline: GCC (12) counts __builtin_prefetch as free of side effects, so a call to this
+// function that its early inliner leaves out of line (the two-branch AVX-512 form was) is a call
+// to a pure function whose result is unused, and dead-code elimination deletes it: the prefetch
+// silently vanishes (tests/test_cpu_kernels.py checks the built code for prefetcht2).
+static inline __attribute__((always_inline)) void hz_prefetch_stream(const HzAct* a, const uint8_t* p, int n) {
+    if (a->no_prefetch) return;
 #if HZ_ISA >= 2
     if (hz_prefetch_l2) {
         if (hz_prefetch_l2_bytes > 0)

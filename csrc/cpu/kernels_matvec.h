@@ -53,7 +53,7 @@ static inline float matvec_row(const uint8_t* row, const HzAct* a, int64_t m) {
         int64_t b = 0;
         for (; b + 4 <= nb; b += 4) {
             const uint8_t* blk = row + b * T::BYTES;
-            hz_prefetch_stream(blk, 4 * T::BYTES);
+            hz_prefetch_stream(a, blk, 4 * T::BYTES);
             const __m256i v0 = idot(blk, b, true), v1 = idot(blk + T::BYTES, b + 1, true);
             const __m256i v2 = idot(blk + 2 * T::BYTES, b + 2, true), v3 = idot(blk + 3 * T::BYTES, b + 3, true);
             const __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(v0, v1), _mm256_unpackhi_epi32(v0, v1));
@@ -77,7 +77,7 @@ static inline float matvec_row(const uint8_t* row, const HzAct* a, int64_t m) {
         auto block = [&](int64_t b, __m256& ac, float& as, bool pf) {
             const uint8_t* blk = row + b * T::BYTES;
             if (pf)
-                hz_prefetch_stream(blk, 2 * T::BYTES);
+                hz_prefetch_stream(a, blk, 2 * T::BYTES);
             const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
             const float dx = xd[b];
             typename H::Prep p;
@@ -98,7 +98,7 @@ static inline float matvec_row(const uint8_t* row, const HzAct* a, int64_t m) {
         if (H::PREP_AHEAD && nb > 0) H::prep(row, pn);
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* blk = row + b * T::BYTES;
-            hz_prefetch_stream(blk, T::BYTES);
+            hz_prefetch_stream(a, blk, T::BYTES);
             typename H::Prep p;
             if constexpr (H::PREP_AHEAD) {  // next block's scales, off this block's critical path
                 p = pn;
@@ -151,7 +151,7 @@ static void matvec_tile(const uint8_t* W, int64_t rb, int64_t n0, int64_t n1, co
         for (int m = 0; m < MR; ++m) { acc[m] = _mm256_setzero_ps(); accs[m] = 0.f; }
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* blk = row + b * T::BYTES;
-            hz_prefetch_stream(blk, T::BYTES);
+            hz_prefetch_stream(a, blk, T::BYTES);
             typename H::Prep p;
             H::prep(blk, p);
             if constexpr (T::QK == 32) {
@@ -251,7 +251,7 @@ static inline float matvec_row512(const uint8_t* row, const HzAct* a, int64_t m)
     const __m512i m4 = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * T::BYTES;
-        hz_prefetch_stream(blk, T::BYTES);
+        hz_prefetch_stream(a, blk, T::BYTES);
         typename H::Prep p;
         H::prep(blk, p);
         const int8_t* x = xq + b * T::QK;

@@ -60,7 +60,7 @@ static void panels_q4k_tile(const uint8_t* P, int64_t K, int64_t n0, int64_t n1,
             for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
             for (int64_t b = kp; b < ke; ++b) {
                 const uint8_t* pb = pg + b * HZ_Q4K_PANEL_BYTES;
-                if (hz_prefetch_panels) hz_prefetch_stream(pb, HZ_Q4K_PANEL_BYTES);  // off by default (ops.cpp)
+                if (hz_prefetch_panels) hz_prefetch_stream(a, pb, HZ_Q4K_PANEL_BYTES);  // off by default (ops.cpp)
                 if (act_pf && b + 1 < nb)
                     for (int m = 0; m < MR; ++m) {
                         const char* xn = (const char*)(xq[m] + (b + 1) * 256);

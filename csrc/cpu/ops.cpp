@@ -29,20 +29,22 @@
 extern "C" {
 const int8_t* hz_tables[HZ_N_TABLES] = {};
 // Mat-vec weight prefetch. Into L1 (prefetcht0) 2 KiB ahead: 2-4 KiB measured best of the L1
-// distances on Zen 3 (DRAM stream, 1 thread), and what the avx2 level always does. Into L2 only
-// (prefetcht2) 8 KiB ahead, the AVX-512 levels' default: on Zen 4 (2 threads, model decode
-// alternated with the L1 prefetch) +7.5% in the minutes where a plain read reached 52-60 GB/s (20
-// rounds) and +0.0% / +1.4% where it reached 30-35 GB/s (10 / 29 rounds). The avx2 level on the
-// same box gained nothing from it (fast minutes 0.999x in 21 rounds, slow 0.970x in 9 and 1.011x
-// in 20), so it keeps the L1 prefetch. A prefetcht0 at 2 KiB sits below the
-// fast minutes' bandwidth-latency product (about 3 KiB per core), and longer L1 distances measured
-// slower: the L2 takes the longer distance. Both hints on every line measured 11% slower than the
-// L1 prefetch alone (fast minutes, the token's mat-vecs replayed).
+// distances on Zen 3 (DRAM stream, 1 thread), and what the avx2 level always does (on Zen 4 its
+// Q6_K output matrix read 48.6 GB/s with it, 42.8 without, in fast minutes). Into L2 only
+// (prefetcht2) 8 KiB ahead on the AVX-512 levels. Until the helper was forced inline (kernels.h,
+// hz_prefetch_stream) the AVX-512 build held no prefetch instructions at all, so every earlier
+// A/B of these switches on that level compared code without prefetch. Measured with them (Zen 4,
+// avx512 level, token replays alternated per round, against no prefetch): L2 8 KiB 1.034x in the
+// fast-memory minutes (72 rounds; the Q6_K output matrix -18% time, the Q6_K ffn_down +2%) and
+// 0.986x in the slow ones (48; output +8%, ffn_down +5%); L2 16 KiB 1.033x / 0.990x; L1 2 KiB
+// 0.990x / 1.000x; L2 at 2 KiB 0.80x and 4 KiB 0.94x (97 fast rounds: prefetches of lines the
+// hardware prefetcher already has in flight). Hence mul_mat's per-weight choice (PrefetchChoice).
 int64_t hz_prefetch_bytes = 2048, hz_prefetch_l2_bytes = 8192;
 int hz_prefetch_l2 = 1;
 int hz_gemm512 = 1;
 int hz_matvec512 = 1;
 int hz_matvec_gfni = 1;
+int hz_adaptive_prefetch = 1;
 int hz_prefetch_act = 1;
 // The Q4_K panel mat-vec issues no software prefetch by default: each thread's panels are one
 // stream in address order, which the hardware prefetchers follow, and the prefetch instructions
@@ -298,6 +300,41 @@ struct RowSplit {
     }
 };
 
+// Whether mul_mat's row mat-vec of a weight runs with the software prefetch of its stream (arm 0:
+// what the prefetch switches give) or without (arm 1), chosen per weight by its measured time per
+// byte. The better arm depends on the weight and on how fast the memory is at the moment: on a
+// Zen 4 box whose memory switches between a slow and a fast regime within seconds, the L2
+// prefetch 8 KiB ahead read the Q6_K output matrix (rows of 1536 values) 18% faster than none in
+// the fast minutes and 8% slower in the slow ones, and the Q6_K ffn_down (8960 values) 2-5% slower
+// in both (avx512 level, token replays alternated: 72 fast and 48 slow rounds). Each weight keeps a
+// moving average of ns per byte for each arm (weight 1/4 for the newest call); its first calls
+// alternate the arms, then every eighth call tries the other arm and the rest take the faster one.
+// Speed only: the kernels give the same bits either way. Off (hz_adaptive_prefetch = 0): arm 0.
+struct PrefetchChoice {
+    double ns_per_byte[2] = {0.0, 0.0};
+    int64_t calls = 0;
+};
+std::mutex g_prefetch_mu;
+std::unordered_map<const void*, PrefetchChoice> g_prefetch_choice;
+
+int prefetch_arm(const void* w) {
+    std::lock_guard<std::mutex> lock(g_prefetch_mu);
+    if (g_prefetch_choice.size() > 65536) g_prefetch_choice.clear();  // weights freed and reallocated
+    PrefetchChoice& c = g_prefetch_choice[w];
+    const int64_t k = c.calls++;
+    if (k < 4) return (int)(k & 1);
+    const int best = c.ns_per_byte[1] < c.ns_per_byte[0] ? 1 : 0;
+    return k % 8 == 0 ? 1 - best : best;
+}
+
+void prefetch_record(const void* w, int arm, double ns_per_byte) {
+    std::lock_guard<std::mutex> lock(g_prefetch_mu);
+    auto it = g_prefetch_choice.find(w);
+    if (it == g_prefetch_choice.end()) return;
+    double& v = it->second.ns_per_byte[arm];
+    v = it->second.calls <= 2 ? ns_per_byte : 0.75 * v + 0.25 * ns_per_byte;
+}
+
 void run_matmul(const HzFormatKernels& fk, const uint8_t* W, int64_t rb, int64_t N, const HzAct& a, int64_t M,
                 float* y, int64_t ldy, int64_t mv_max, const uint8_t* panels = nullptr) {
     const bool mv = M <= mv_max;
@@ -311,6 +348,15 @@ void run_matmul(const HzFormatKernels& fk, const uint8_t* W, int64_t rb, int64_t
     const RowSplit split(N, rb, mv, fk.gemm_nr);
     if (split.serial) {
         fn(W, rb, 0, N, &a, M, y, ldy);
+        return;
+    }
+    if (mv && hz_adaptive_prefetch) {
+        HzAct ac = a;
+        const int arm = prefetch_arm(W);
+        ac.no_prefetch = arm;
+        const int64_t t0 = hz_now_ns();
+        split.run(N, [&](int64_t n0, int64_t n1) { fn(W, rb, n0, n1, &ac, M, y, ldy); });
+        prefetch_record(W, arm, (double)(hz_now_ns() - t0) / (double)(N * rb));
         return;
     }
     split.run(N, [&](int64_t n0, int64_t n1) { fn(W, rb, n0, n1, &a, M, y, ldy); });
@@ -1244,6 +1290,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "Q4_K panel mat-vec: software prefetch of the weight panels as the rows have it (true) or none (false)");
     m.def("prefetch_panels", []() { return hz_prefetch_panels != 0; }, "whether the Q4_K panel mat-vec prefetches its weights");
     m.def("set_matvec_gfni", [](bool on) { hz_matvec_gfni = on ? 1 : 0; }, "AVX-512 level: the 512-bit Q6_K rows with GF2P8AFFINEQB where the CPU has it (true) or shifts and masks");
+    m.def("set_adaptive_prefetch", [](bool on) { hz_adaptive_prefetch = on ? 1 : 0; },
+          "mul_mat's row mat-vec: choose per weight, by measured speed, between the prefetch switches' software "
+          "prefetch and none (true) or always the switches' (false)");
+    m.def("adaptive_prefetch", []() { return hz_adaptive_prefetch != 0; },
+          "whether mul_mat's row mat-vec chooses its software prefetch per weight by measured speed");
     m.def("matvec_gfni", []() { return hz_matvec_gfni != 0; }, "whether the 512-bit Q6_K rows use GF2P8AFFINEQB where the CPU has it");
     m.def("panel_bytes", &panel_bytes, "bytes of the row-interleaved panels of an [N, rb] weight of a ggml type (-1: none)");
     m.def("pack_panels", &pack_panels, "fill out with the row-interleaved panels of w [N, rb] (uint8)");

@@ -83,7 +83,7 @@ __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
            "set_matvec512", "matvec512", "set_matvec_gfni", "matvec_gfni", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks",
            "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2", "set_prefetch_act", "prefetch_act",
-           "set_prefetch_panels", "prefetch_panels", "capture",
+           "set_prefetch_panels", "prefetch_panels", "set_adaptive_prefetch", "adaptive_prefetch", "capture",
            "GRAPHS"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
@@ -271,6 +271,7 @@ _SWITCHES = (
     ("HANZO_CPU_PREFETCH_L2", "set_prefetch_l2", "the mat-vec's prefetch into L2", True),
     ("HANZO_CPU_PREFETCH_ACT", "set_prefetch_act", "the panel mat-vec's activation prefetch", True),
     ("HANZO_CPU_PREFETCH_PANELS", "set_prefetch_panels", "the panel mat-vec's weight prefetch", False),
+    ("HANZO_CPU_ADAPTIVE_PREFETCH", "set_adaptive_prefetch", "the row mat-vec's prefetch chosen per weight", True),
 )
 
 
@@ -278,7 +279,7 @@ def check_environment() -> None:
     """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or one of the switch
     variables (``HANZO_CPU_ADAPTIVE_THREADS``, ``_GEMM512``, ``_REPACK``, ``_RANGED_TASKS``,
     ``_MATVEC512``, ``_GFNI``, ``_PANELS``, ``_PREFETCH_L2``, ``_PREFETCH_ACT``, ``_PREFETCH_PANELS``,
-    ``_GRAPH``) is neither 0 nor 1 (cheap: no build, no CPU probe).
+    ``_ADAPTIVE_PREFETCH``, ``_GRAPH``) is neither 0 nor 1 (cheap: no build, no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
     """
@@ -710,6 +711,29 @@ def set_prefetch_panels(enabled: bool) -> None:
 def prefetch_panels() -> bool:
     """Whether the Q4_K panel mat-vec prefetches its weights (:func:`set_prefetch_panels`)."""
     return bool(_ext_or_raise().prefetch_panels())
+
+
+def set_adaptive_prefetch(enabled: bool) -> None:
+    """Let the row mat-vec of ``mul_mat`` (decode, weights without panels: Q6_K and the other
+    formats) choose per weight, by its measured time per byte, between the software prefetch that
+    :func:`set_prefetch_l2` gives and none (True, the default), or always prefetch (False). Each
+    weight's first calls try both, then one call in eight tries the other and the rest take the
+    faster (csrc/cpu/ops.cpp, ``PrefetchChoice``). On a Zen 4 box whose memory changes speed from
+    minute to minute, the L2 prefetch read the Q6_K output matrix 18% faster than none while the
+    memory was fast and 8% slower while it was slow; choosing per weight gave decode 1.024x of no
+    prefetch in fast minutes and 0.999x in slow ones, where always prefetching gave 1.021x and
+    0.981x. Speed only: the results are the same bits. ``HANZO_CPU_ADAPTIVE_PREFETCH=0`` (read when
+    the kernels load) sets False.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_adaptive_prefetch(bool(enabled))
+
+
+def adaptive_prefetch() -> bool:
+    """Whether the row mat-vec chooses its software prefetch per weight (:func:`set_adaptive_prefetch`)."""
+    return bool(_ext_or_raise().adaptive_prefetch())
 
 
 def set_panels(enabled: bool) -> None:
