@@ -31,9 +31,10 @@ const int8_t* hz_tables[HZ_N_TABLES] = {};
 // Mat-vec weight prefetch. Into L1 (prefetcht0) 2 KiB ahead: 2-4 KiB measured best of the L1
 // distances on Zen 3 (DRAM stream, 1 thread), and what the avx2 level always does (on Zen 4 its
 // Q6_K output matrix read 48.6 GB/s with it, 42.8 without, in fast minutes). Into L2 only
-// (prefetcht2) 8 KiB ahead on the AVX-512 levels. Until the helper was forced inline (kernels.h,
-// hz_prefetch_stream) the AVX-512 build held no prefetch instructions at all, so every earlier
-// A/B of these switches on that level compared code without prefetch. Measured with them (Zen 4,
+// (prefetcht2) 8 KiB ahead on the AVX-512 levels. From the commit that made it one helper
+// (00051d4) until the helper was forced inline (kernels.h, hz_prefetch_stream) the AVX-512 build
+// held no prefetch of the rows at all, so the A/B runs of these switches on that level in between
+// compared code without prefetch. Measured with them (Zen 4,
 // avx512 level, token replays alternated per round, against no prefetch): L2 8 KiB 1.034x in the
 // fast-memory minutes (72 rounds; the Q6_K output matrix -18% time, the Q6_K ffn_down +2%) and
 // 0.986x in the slow ones (48; output +8%, ffn_down +5%); L2 16 KiB 1.033x / 0.990x; L1 2 KiB
