@@ -233,8 +233,8 @@ def test_adaptive_prefetch_gives_the_same_bits(ext, isa):
 
 def test_the_weight_prefetch_is_built():
     """The AVX-512 unit's L2 prefetch (prefetcht2) is in the built extension. GCC counts
-    __builtin_prefetch as free of side effects and deleted a prefetch helper it had left out of
-    line, prefetches and all (csrc/cpu/kernels.h, hz_prefetch_stream)."""
+    __builtin_prefetch as free of side effects and deletes a call to a prefetch helper it leaves
+    out of line, prefetches and all (csrc/cpu/kernels.h, hz_prefetch_stream)."""
     import shutil
     import subprocess
 

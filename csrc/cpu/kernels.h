@@ -423,9 +423,10 @@ static const __m256i* hz_ones16() { static const int16_t o[16] __attribute__((al
 // of 0 prefetches nothing, as does an activation marked no_prefetch (hz_api.h; the measurements
 // are in ops.cpp).
 // always_inline: GCC (12) counts __builtin_prefetch as free of side effects, so a call to this
-// function that its early inliner leaves out of line (the two-branch AVX-512 form was) is a call
-// to a pure function whose result is unused, and dead-code elimination deletes it: the prefetch
-// silently vanishes (tests/test_cpu_kernels.py checks the built code for prefetcht2).
+// function that its early inliner leaves out of line (as it does the two-branch AVX-512 form
+// without the attribute) is a call to a pure function whose result is unused, and dead-code
+// elimination deletes it: the prefetch silently vanishes (tests/test_cpu_panels.py checks the
+// built code for prefetcht2).
 static inline __attribute__((always_inline)) void hz_prefetch_stream(const HzAct* a, const uint8_t* p, int n) {
     if (a->no_prefetch) return;
 #if HZ_ISA >= 2

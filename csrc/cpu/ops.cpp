@@ -31,10 +31,8 @@ const int8_t* hz_tables[HZ_N_TABLES] = {};
 // Mat-vec weight prefetch. Into L1 (prefetcht0) 2 KiB ahead: 2-4 KiB measured best of the L1
 // distances on Zen 3 (DRAM stream, 1 thread), and what the avx2 level always does (on Zen 4 its
 // Q6_K output matrix read 48.6 GB/s with it, 42.8 without, in fast minutes). Into L2 only
-// (prefetcht2) 8 KiB ahead on the AVX-512 levels. From the commit that made it one helper
-// (00051d4) until the helper was forced inline (kernels.h, hz_prefetch_stream) the AVX-512 build
-// held no prefetch of the rows at all, so the A/B runs of these switches on that level in between
-// compared code without prefetch. Measured with them (Zen 4,
+// (prefetcht2) 8 KiB ahead on the AVX-512 levels (the helper must stay inline: kernels.h,
+// hz_prefetch_stream; benchmarks/RESULTS.md has the builds that lost it). Measured (Zen 4,
 // avx512 level, token replays alternated per round, against no prefetch): L2 8 KiB 1.034x in the
 // fast-memory minutes (72 rounds; the Q6_K output matrix -18% time, the Q6_K ffn_down +2%) and
 // 0.986x in the slow ones (48; output +8%, ffn_down +5%); L2 16 KiB 1.033x / 0.990x; L1 2 KiB
@@ -52,7 +50,7 @@ int hz_prefetch_act = 1;
 // cost issue slots. Zen 4, token mat-vecs replayed, alternated per round against the L1/L2
 // prefetch of the rows: avx2 level +10.1% per token where a plain read reached 53-60 GB/s (ahead
 // in 156 of 156 rounds), +0.9% where it reached 29-36 (29 of 40); avx512 level 1.003x / 0.999x
-// (93 / 27 rounds), in a build that held no prefetch on that level (see above). The rows keep theirs: without it the avx2 level read the Q6_K output matrix
+// (93 / 27 rounds) in a build without the AVX-512 prefetch (see above): unmeasured there. The rows keep theirs: without it the avx2 level read the Q6_K output matrix
 // at 42.8 against 48.6 GB/s in the same fast rounds.
 int hz_prefetch_panels = 0;
 int hz_cpu_repack = 1;

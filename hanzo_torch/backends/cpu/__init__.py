@@ -698,8 +698,8 @@ def set_prefetch_panels(enabled: bool) -> None:
     (:func:`set_prefetch_l2`; True) or no software prefetch (False, the default), for A/B runs and
     for CPUs whose hardware prefetchers fall behind a panel stream. Each thread reads its panels
     in address order; on Zen 4 dropping the prefetch made a decoded token 10% faster on the
-    ``avx2`` level where memory is fast (on ``avx512`` unmeasured: the build of that A/B held no
-    prefetch on that level; csrc/cpu/ops.cpp).
+    ``avx2`` level where memory is fast (on ``avx512`` not measured with the prefetch present;
+    csrc/cpu/ops.cpp).
     Speed only: the results are the same bits. ``HANZO_CPU_PREFETCH_PANELS=1`` (read when the
     kernels load) sets True.
 
