@@ -50,8 +50,9 @@ int hz_prefetch_act = 1;
 // cost issue slots. Zen 4, token mat-vecs replayed, alternated per round against the L1/L2
 // prefetch of the rows: avx2 level +10.1% per token where a plain read reached 53-60 GB/s (ahead
 // in 156 of 156 rounds), +0.9% where it reached 29-36 (29 of 40); avx512 level 1.003x / 0.999x
-// (93 / 27 rounds) in a build without the AVX-512 prefetch (see above): unmeasured there. The rows keep theirs: without it the avx2 level read the Q6_K output matrix
-// at 42.8 against 48.6 GB/s in the same fast rounds.
+// (93 / 27 rounds) in a build without the AVX-512 prefetch (see above): unmeasured there. The
+// rows keep theirs: without it the avx2 level read the Q6_K output matrix at 42.8 against 48.6
+// GB/s in the same fast rounds.
 int hz_prefetch_panels = 0;
 int hz_cpu_repack = 1;
 int64_t hz_gemm_kc = 2048, hz_gemm_mc = 64;
