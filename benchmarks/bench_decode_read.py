@@ -1,7 +1,7 @@
 """Decode mat-vecs against the box's read bandwidth, in the same run, per kind of weight.
 
     python benchmarks/bench_decode_read.py [-m GGUF] [--rounds 15] [--tokens 12] [-t 2]
-        [--isa avx512,avx2] [--procs 2] [--fast-gbs 45] [--json FILE]
+        [--isa avx512,avx2] [--procs 1] [--fast-gbs 45] [--json FILE]
 
 The CPU decode targets are stated against what a plain read of the same weights reaches on the same
 box at the same time: the mat-vecs at >= 0.90 of that read, and a token within 1.10x the sum of its
@@ -18,7 +18,7 @@ prefills a 16-token prompt, captures the decode step's CPU graph and then, per r
 3. the plain read again; the round's read is the larger of the two.
 
 The box's memory can change speed between minutes (on the Zen 4 guests of RESULTS.md a plain read
-ran 31-36 GB/s in some minutes and 52-61 in others), so rounds are binned by their read: at or
+ran 30-36 GB/s in some minutes and 47-61 in others), so rounds are binned by their read: at or
 below ``--fast-gbs`` "slow", above it "fast". Per level and regime it prints the read, the
 mat-vecs' GB/s and their ratio to the round's read (median and quartiles over rounds; also over the
 weights' GGUF bytes, fewer than the panels the Q4_K mat-vec streams), the token's
@@ -137,7 +137,7 @@ def measure(path: str, rounds: int, tokens: int, threads: int, tag: str, out=Non
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
     if len(xs) < 2:
         return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4)
+    q = statistics.quantiles(xs, n=4, method="inclusive")  # within the data for few rounds
     return q[0], statistics.median(xs), q[2]
 
 
@@ -164,15 +164,14 @@ def report(rows: list[dict], fast_gbs: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the README's model, downloaded once)")
-    ap.add_argument("--rounds", type=int, default=15, help="rounds per process")
-    ap.add_argument("--tokens", type=int, default=12, help="replayed tokens per round (the first not counted)")
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=15, help="rounds per process (default 15)")
+    ap.add_argument("--tokens", type=int, default=12, help="replayed tokens per round, the first not counted (default 12)")
+    ap.add_argument("-t", "--threads", type=int, default=2, help="torch threads of each process (default 2)")
     ap.add_argument("--isa", default="", help="comma-separated ISA levels, one process each (default: this one)")
-    ap.add_argument("--procs", type=int, default=1, help="processes per level, levels alternating")
-    ap.add_argument("--fast-gbs", type=float, default=45.0, help="reads above this are the fast regime")
+    ap.add_argument("--procs", type=int, default=1, help="processes per level, levels alternating (default 1)")
+    ap.add_argument("--fast-gbs", type=float, default=45.0, help="reads above this many GB/s are the fast regime (default 45)")
     ap.add_argument("--json", default=None, help="write every round here (JSON lines)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
