@@ -1,7 +1,7 @@
 """Decode mat-vecs against the box's read bandwidth, in the same run, per kind of weight.
 
     python benchmarks/bench_decode_read.py [-m GGUF] [--rounds 15] [--tokens 12] [-t 2]
-        [--isa avx512,avx2] [--procs 1] [--fast-gbs 45] [--json FILE]
+        [--isa LEVELS] [--procs 1] [--fast-gbs 45] [--json FILE]
 
 The CPU decode targets are stated against what a plain read of the same weights reaches on the same
 box at the same time: the mat-vecs at >= 0.90 of that read, and a token within 1.10x the sum of its
@@ -153,18 +153,19 @@ def report(rows: list[dict], fast_gbs: float) -> str:
             lo, med, hi = quartiles([r["matvec_gbs"] / r["read"] for r in sel])
             lines.append(f"{tag} {regime}: {len(sel)} rounds, read {statistics.median(r['read'] for r in sel):.1f} GB/s, "
                          f"mat-vecs {statistics.median(r['matvec_gbs'] for r in sel):.1f} GB/s = "
-                         f"{med:.3f} of the read ({lo:.3f}-{hi:.3f}); of GGUF bytes "
+                         f"{med:.3f} of the read (quartiles {lo:.3f}-{hi:.3f}); over GGUF bytes "
                          f"{statistics.median(r['gguf_gbs'] / r['read'] for r in sel):.3f}; token / mat-vecs "
                          f"{statistics.median(r['token_ms'] / r['matvec_ms'] for r in sel):.3f}, "
                          f"token {statistics.median(r['token_ms'] for r in sel):.2f} ms")
             for kind in sel[0]["kinds"]:
                 gbs = statistics.median(r["kinds"][kind] for r in sel)
-                lines.append(f"    {kind:40s} {gbs:6.1f} GB/s  ({gbs / statistics.median(r['read'] for r in sel):.3f})")
+                lines.append(f"    {kind:40s} {gbs:6.1f} GB/s  ({gbs / statistics.median(r['read'] for r in sel):.3f} of the read)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.replace("``", "`"),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the README's model, downloaded once)")
     ap.add_argument("--rounds", type=int, default=15, help="rounds per process (default 15)")
     ap.add_argument("--tokens", type=int, default=12, help="replayed tokens per round, the first not counted (default 12)")

@@ -304,9 +304,9 @@ struct RowSplit {
 // what the prefetch switches give) or without (arm 1), chosen per weight by its measured time per
 // byte. The better arm depends on the weight and on how fast the memory is at the moment: on a
 // Zen 4 box whose memory switches between a slow and a fast regime within seconds, the L2
-// prefetch 8 KiB ahead read the Q6_K output matrix (rows of 1536 values) 18% faster than none in
-// the fast minutes and 8% slower in the slow ones, and the Q6_K ffn_down (8960 values) 2-5% slower
-// in both (avx512 level, token replays alternated: 72 fast and 48 slow rounds). Each weight keeps a
+// prefetch 8 KiB ahead took 18% less time than none over the Q6_K output matrix (rows of 1536
+// values) in the fast minutes and 8% more in the slow ones, and 2-5% more over the Q6_K ffn_down
+// (8960 values) in both (avx512 level, token replays alternated: 72 fast and 48 slow rounds). Each weight keeps a
 // moving average of ns per byte for each arm (weight 1/4 for the newest call); its first calls
 // alternate the arms, then every eighth call tries the other arm and the rest take the faster one.
 // Speed only: the kernels give the same bits either way. Off (hz_adaptive_prefetch = 0): arm 0.

@@ -720,8 +720,8 @@ def set_adaptive_prefetch(enabled: bool) -> None:
     :func:`set_prefetch_l2` gives and none (True, the default), or always prefetch (False). Each
     weight's first calls try both, then one call in eight tries the other and the rest take the
     faster (csrc/cpu/ops.cpp, ``PrefetchChoice``). On a Zen 4 box whose memory changes speed from
-    minute to minute, the L2 prefetch read the Q6_K output matrix 18% faster than none while the
-    memory was fast and 8% slower while it was slow; choosing per weight gave decode 1.024x of no
+    minute to minute, the L2 prefetch took 18% less time than none over the Q6_K output matrix
+    while the memory was fast and 8% more while it was slow; choosing per weight gave decode 1.024x of no
     prefetch in fast minutes and 0.999x in slow ones, where always prefetching gave 1.021x and
     0.981x. Speed only: the results are the same bits. ``HANZO_CPU_ADAPTIVE_PREFETCH=0`` (read when
     the kernels load) sets False.
@@ -759,8 +759,9 @@ def panels() -> bool:
 def set_prefetch_l2(enabled: bool) -> None:
     """On the AVX-512 levels (``avx512``, ``avx512-sim``), prefetch the mat-vec's weight stream
     into L2 only, 8 KiB ahead (True, the default), or into L1, 2 KiB ahead (False), for A/B runs;
-    the rows, and the Q4_K panels where :func:`set_prefetch_panels` is on. The ``avx2`` level always prefetches into L1 (it gained nothing from the
-    L2 prefetch). Speed only: the results are the same bits. ``HANZO_CPU_PREFETCH_L2=0`` (read when
+    the rows, and the Q4_K panels where :func:`set_prefetch_panels` is on. The ``avx2`` level prefetches into L1, never into L2 (it gained nothing from the
+    L2 prefetch). ``mul_mat``'s row mat-vec may run either without prefetch, weight by weight
+    (:func:`set_adaptive_prefetch`). Speed only: the results are the same bits. ``HANZO_CPU_PREFETCH_L2=0`` (read when
     the kernels load) sets False. The measurements behind the default are in csrc/cpu/ops.cpp (Zen 4).
 
     Raises:
