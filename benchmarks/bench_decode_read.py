@@ -61,10 +61,11 @@ def measure(path: str, rounds: int, tokens: int, threads: int, tag: str, out=Non
     over the weights' GGUF bytes: Q4_K panels are 1184 bytes per 8 rows and block against the
     rows' 1152), ``token_ms``, ``matvec_ms``, ``kinds`` ({kind: streamed GB/s}) and ``tag``.
     Each row is printed to ``out`` (default: stdout) as a JSON line when it is done.
-    Raises RuntimeError when the decode step was not captured (no C++ kernels, or the graph off)."""
+    Raises RuntimeError when the C++ kernels cannot be built, and ``backends.cpu.CaptureRejected``
+    when the model's decode step cannot be captured as a CPU graph."""
     import torch
     import hanzo_torch
-    from hanzo_torch.decode_graphs import DecodeStep
+    from hanzo_torch.backends import cpu
 
     if tokens < 2:
         raise ValueError(f"--tokens {tokens}: at least 2 (the first replay is not counted)")
@@ -72,15 +73,10 @@ def measure(path: str, rounds: int, tokens: int, threads: int, tag: str, out=Non
     model = hanzo_torch.load(path, max_context=64)
     packed = {p.packed.data_ptr(): (n, p) for n, p in model.named_parameters() if hasattr(p, "packed")}
     with torch.inference_mode():
-        model(torch.randint(0, model.args.vocab_size, (1, 16)), last_only=True)
-        step = DecodeStep(model, 1, torch.device("cpu"), last_only=True)
-        step.input_ids.fill_(1)
-        step.positions.fill_(16)
-        step()
-        if not step.graphed:
-            raise RuntimeError("the decode step was not captured as a CPU graph (C++ kernels missing, or "
-                               "HANZO_CPU_GRAPH=0)")
-        graph = step._captured._replay.__self__
+        model(torch.randint(0, model.args.vocab_size, (1, 16)), last_only=True)  # allocates the KV cache
+        ids, pos = torch.ones(1, 1, dtype=torch.long), torch.full((1, 1), 16, dtype=torch.long)
+        # the decode step as generate() replays it (DecodeStep): its hanzo ops captured into a CPU graph
+        graph, _ = cpu.capture(lambda: model(ids, positions=pos, last_only=True), 0)
         nodes = []  # per node: (kind or None, bytes streamed, bytes of its GGUF rows)
         streamed = {}
         for ws in graph.weights:
@@ -114,8 +110,8 @@ def measure(path: str, rounds: int, tokens: int, threads: int, tag: str, out=Non
             per_kind = collections.defaultdict(lambda: [0, 0])
             total = mv = 0
             for i in range(tokens):
-                step.input_ids.fill_(1 + i)
-                step.positions.fill_(16 + i % 32)
+                ids.fill_(1 + i)
+                pos.fill_(16 + i % 32)
                 ns = graph.replay_timed()
                 if i == 0:
                     continue

@@ -260,6 +260,12 @@ const uint8_t* panels_for(const torch::Tensor& w, int64_t type_id) {
     return e.panels.data_ptr<uint8_t>();
 }
 
+// The panels a mat-vec (mv: M <= mv_max) of weight w in format type_id reads, or null (no panel
+// kernel for the format, not a mat-vec, none registered).
+const uint8_t* mv_panels(const HzFormatKernels& fk, const torch::Tensor& w, int64_t type_id, bool mv) {
+    return mv && fk.matvec_panels ? panels_for(w, type_id) : nullptr;
+}
+
 // Tasks 0..n-1 on nth threads, each thread taking its own contiguous range first, then the others'
 // from their back (hz_run_tasks): on a loaded machine a descheduled thread delays only its current
 // task; the adaptive controller may run them serially (threading.h).
@@ -396,7 +402,7 @@ torch::Tensor mul_mat(torch::Tensor x, torch::Tensor w, int64_t type_id, int64_t
     QuantAct own;
     const QuantAct& qa = quantize_act_into(isa, xf, fk.qk, scratch ? scratch->slot(0) : own);
     run_matmul(fk, w.data_ptr<uint8_t>(), rb, N, qa.view, M, y.data_ptr<float>(), N, mv_max,
-               fk.matvec_panels && M <= mv_max ? panels_for(w, type_id) : nullptr);
+               mv_panels(fk, w, type_id, M <= mv_max));
     return y;
 }
 
@@ -442,8 +448,8 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
     const int64_t cols = std::min(F, split.chunk * split.tile);  // rows of one task at most
     const uint8_t* pg = wg.data_ptr<uint8_t>();
     const uint8_t* pu = wu.data_ptr<uint8_t>();
-    const uint8_t* pgp = mv && fg.matvec_panels ? panels_for(wg, tg) : nullptr;
-    const uint8_t* pup = mv && fu.matvec_panels ? panels_for(wu, tu) : nullptr;
+    const uint8_t* pgp = mv_panels(fg, wg, tg, mv);
+    const uint8_t* pup = mv_panels(fu, wu, tu, mv);
     float* yp = y.data_ptr<float>();
     // the projections of rows [n0, n0 + w), rounded in place as the unfused ops round them
     auto epilogue = [&](float* g, float* u, int64_t ld, int64_t n0, int64_t w) {
@@ -577,7 +583,7 @@ std::vector<torch::Tensor> mul_mat_group(torch::Tensor x, std::vector<torch::Ten
         int64_t rows = std::max<int64_t>(1, chunk / std::max<int64_t>(1, ws[i].size(1)));
         if (rows > 8) rows -= rows % 8;  // whole 8-row groups of panels (kernels_panels.h)
         for (int64_t n0 = 0; n0 < N; n0 += rows) tasks.push_back({i, n0, std::min(N, n0 + rows)});
-        if (fk[i]->matvec_panels) panels[i] = panels_for(ws[i], tids[i]);
+        panels[i] = mv_panels(*fk[i], ws[i], tids[i], true);
     }
     auto task = [&](int64_t t) {
         const Task& k = tasks[t];
@@ -849,7 +855,7 @@ bool positions_in(const at::Tensor& pos, int64_t S) {
 // bytes the mat-vec reads for them, its panels' where run_matmul takes them.
 std::pair<int64_t, int64_t> graph_weight(const at::Tensor& w, int64_t tid, int64_t M) {
     const HzFormatKernels& fk = format_kernels(isa_table(g_isa.load(std::memory_order_relaxed)), tid);
-    const bool panels = fk.matvec_panels && M <= g_mv_max.load(std::memory_order_relaxed) && panels_for(w, tid);
+    const bool panels = mv_panels(fk, w, tid, M <= g_mv_max.load(std::memory_order_relaxed)) != nullptr;
     return {(int64_t)(intptr_t)w.data_ptr(), panels ? panel_bytes(tid, w.size(0), w.size(1)) : (int64_t)w.nbytes()};
 }
 
