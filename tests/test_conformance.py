@@ -121,7 +121,7 @@ def _cpu_x_hat(op, x, qtype):
         return x.double()
     bs = fmt.block_size
     x2 = x.float().reshape(-1, x.shape[-1]).contiguous()
-    q, d, _ = cpu.extension().quantize_activation(x2, bs, 0)
+    q, d, _, _ = cpu.extension().quantize_activation(x2, bs, 0)
     return (q.double().reshape(x2.shape[0], -1, bs) * d.double().unsqueeze(-1)).reshape(x.shape)
 
 

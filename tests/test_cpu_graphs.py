@@ -304,3 +304,69 @@ def test_graph_switch_value_is_checked(monkeypatch):
     monkeypatch.setenv("HANZO_CPU_GRAPH", "maybe")
     with pytest.raises(ValueError, match="HANZO_CPU_GRAPH"):
         cpu.check_environment()
+
+
+def test_replayed_mat_vecs_follow_what_their_plans_were_built_from():
+    """A graph's mat-vec nodes (mul_mat, mul_mat_group, swiglu_mul_mat) resolve their operands once
+    and replay them; each replay still gives the eager op's bits after whatever the resolution
+    depended on changes: the panels switched off and on, a weight written in place (its panels
+    retired: the replay must read the new rows), the thread count, the task size, the ISA level."""
+    from test_cpu_panels import _attach
+
+    ext = cpu.extension()
+    K, N, F = 1024, 256, 512
+    g = torch.Generator().manual_seed(11)
+    wq, wk = random_blocks("Q4_K", N, K, seed=21), random_blocks("Q4_K", 64, K, seed=22)
+    wv = random_blocks("Q6_K", 64, K, seed=23)
+    wg, wu = random_blocks("Q4_K", F, K, seed=24), random_blocks("Q4_K", F, K, seed=25)
+    wo = random_blocks("Q4_K", N, K, seed=26)
+    bufs = [_attach(ext, w) for w in (wq, wk, wg, wu, wo)]
+    bq, bk, bv = (torch.randn(n, generator=g) for n in (N, 64, 64))
+    x = torch.randn(1, K, generator=g)
+
+    def step():
+        q, k, v = hanzo.mul_mat_group(x, [wq, wk, wv], ["Q4_K", "Q4_K", "Q6_K"], [bq, bk, bv])
+        return q, k, v, hanzo.swiglu_mul_mat(x, wg, wu, "Q4_K", "Q4_K"), hanzo.mul_mat(x, wo, "Q4_K")
+
+    def check(what):
+        for seed in range(2):
+            x.copy_(torch.randn(1, K, generator=torch.Generator().manual_seed(seed)))
+            graph.replay()
+            for got, want in zip(outs, step()):
+                assert torch.equal(got, want), what
+
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            graph, outs = cpu.capture(step, 0)
+            check("replay")
+            cpu.set_graph_plans(False)
+            check("operands resolved at every replay")
+            cpu.set_graph_plans(True)
+            cpu.set_panels(False)
+            check("panels off")
+            cpu.set_panels(True)
+            check("panels on again")
+        for w, seed in ((wq, 31), (wg, 32), (wo, 33)):
+            w.copy_(random_blocks("Q4_K", w.shape[0], K, seed=seed))  # the rows change: panels retired
+        assert not ext.panels_of(wo, hcpu_tid())
+        with torch.inference_mode():
+            check("weights written in place")
+            torch.set_num_threads(1)
+            check("one thread")
+            torch.set_num_threads(max(2, threads))
+            ext.set_matvec_chunk_bytes(16384, 2)
+            check("smaller tasks")
+            for isa in cpu.isa_levels():
+                with cpu.use_isa(isa):
+                    check(isa)
+    finally:
+        cpu.set_graph_plans(True)
+        torch.set_num_threads(threads)
+        ext.set_matvec_chunk_bytes(262144, 4)
+        cpu.set_panels(True)
+        del bufs
+
+
+def hcpu_tid():
+    return cpu._type_id("Q4_K")

@@ -75,7 +75,7 @@ def qa_of(qtype):  # activation block size the kernels use for this format
 
 
 def act_dequant(ext, x, qa):
-    q, d, _ = ext.quantize_activation(x, qa, 0)
+    q, d, _, _ = ext.quantize_activation(x, qa, 0)
     return (q.double().reshape(x.shape[0], -1, qa) * d.double().unsqueeze(-1)).reshape(x.shape)
 
 
@@ -93,14 +93,15 @@ def test_activation_quantization(ext, qa):
     x = torch.randn(3, 1024) * torch.logspace(-3, 3, 3).unsqueeze(1)
     x[1, :qa] = 0.0  # an all-zero block
     outs = [ext.quantize_activation(x, qa, hcpu._ISA_BY_NAME[i]) for i in ISAS()]
-    q, d, s = outs[0]
-    for q2, d2, s2 in outs[1:]:  # every ISA quantizes bit-identically
-        assert torch.equal(q, q2) and torch.equal(d, d2) and torch.equal(s, s2)
+    q, d, s, sf = outs[0]
+    for q2, d2, s2, sf2 in outs[1:]:  # every ISA quantizes bit-identically
+        assert torch.equal(q, q2) and torch.equal(d, d2) and torch.equal(s, s2) and torch.equal(sf, sf2)
     xb = x.reshape(3, -1, qa)
     assert torch.equal(d, xb.abs().amax(-1) / 127)
     err = (q.float().reshape(3, -1, qa) * d.unsqueeze(-1) - xb).abs()
     assert (err <= d.unsqueeze(-1) * 0.5 * (1 + 1e-5)).all()
     assert torch.equal(s.int(), q.reshape(3, -1, 16).int().sum(-1))
+    assert torch.equal(sf, d.repeat_interleave(qa // 16, dim=1) * s.float())
     assert (q[1, :qa] == 0).all() and d[1, 0] == 0
 
 
@@ -281,7 +282,7 @@ def test_gemm512_against_its_256_bit_twin(ext, qtype, K):
         assert torch.equal(y256, hcpu.mul_mat(x, w, qtype, isa="avx2"))
     wf = quant.dequantize(w, qtype, [N, K], torch.float32).double()
     qa = gguf.GGML_QUANT_SIZES[GT[qtype]][0]  # the kernels quantize x in blocks of the weight's block size
-    xq, xd, _ = ext.quantize_activation(x, qa, 0)
+    xq, xd, _, _ = ext.quantize_activation(x, qa, 0)
     xh = (xq.double().reshape(M, -1, qa) * xd.double().reshape(M, -1, 1)).reshape(M, K)
     bound = 1e-5 * (xh.abs() @ wf.abs().t()) + 1e-30
     assert ((y512.double() - xh @ wf.t()).abs() <= bound).all()
@@ -411,7 +412,7 @@ def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
         hcpu.set_matvec512(wide)
         hcpu.set_matvec_gfni(gfni)
     wf = quant.dequantize(w, qtype, [N, K], torch.float32).double()
-    xq, xd, _ = ext.quantize_activation(x, 256, 0)
+    xq, xd, _, _ = ext.quantize_activation(x, 256, 0)
     xh = (xq.double().reshape(1, -1, 256) * xd.double().reshape(1, -1, 1)).reshape(1, K)
     bound = 1e-5 * (xh.abs() @ wf.abs().t()) + 1e-30
     assert ((y512.double() - xh @ wf.t()).abs() <= bound).all()
@@ -429,6 +430,7 @@ def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
     ("HANZO_CPU_PREFETCH_ACT", "prefetch_act", "set_prefetch_act", True),
     ("HANZO_CPU_PREFETCH_PANELS", "prefetch_panels", "set_prefetch_panels", False),
     ("HANZO_CPU_ADAPTIVE_PREFETCH", "adaptive_prefetch", "set_adaptive_prefetch", True),
+    ("HANZO_CPU_GRAPH_PLANS", "graph_plans", "set_graph_plans", True),
 ])
 def test_switch_environment_variables(ext, monkeypatch, env, getter, setter, default):
     """Each A/B switch of the kernels: read when they load (0 off, 1 on, unset or empty its

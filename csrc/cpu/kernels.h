@@ -463,6 +463,34 @@ static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8
             int16_t* sb = s + m * (K / 16) + b * (qa / 16);
             float* sfb = sf + m * (K / 16) + b * (qa / 16);
             const float dq = amax / 127.f;
+            if (qa % 128 == 0) {
+                // 128 values a pass: the 8 sums of 16 from 8 vectors of partial sums by hadd
+                // trees (the int32 sums and their conversions are exact: the same values as below)
+                const __m256 vdq = _mm256_set1_ps(dq);
+                for (int64_t i = 0; i < qa; i += 128) {
+                    __m256i v[8];
+                    for (int64_t j = 0; j < 4; ++j) {
+                        const float* xj = xb + i + 32 * j;
+                        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj), vid));
+                        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + 8), vid));
+                        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + 16), vid));
+                        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xj + 24), vid));
+                        v[2 * j] = _mm256_add_epi32(i0, i1);
+                        v[2 * j + 1] = _mm256_add_epi32(i2, i3);
+                        __m256i pk = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+                        _mm256_storeu_si256((__m256i*)(qb + i + 32 * j), _mm256_permutevar8x32_epi32(pk, perm));
+                    }
+                    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+                    // h0 = [sums of v0..v3 over lanes 0-3 | over lanes 4-7], h1 the same for v4..v7
+                    const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
+                                                          _mm256_permute2x128_si256(h0, h1, 0x31));
+                    const __m128i s16 = _mm_packs_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+                    _mm_storeu_si128((__m128i*)(sb + i / 16), s16);
+                    _mm256_storeu_ps(sfb + i / 16, _mm256_mul_ps(vdq, _mm256_cvtepi32_ps(sums)));
+                }
+                continue;
+            }
             for (int64_t i = 0; i < qa; i += 32) {
                 __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vid));
                 __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), vid));

@@ -44,6 +44,9 @@ int hz_gemm512 = 1;
 int hz_matvec512 = 1;
 int hz_matvec_gfni = 1;
 int hz_adaptive_prefetch = 1;
+// CPU graph nodes of the mat-vecs replay their prepared operands (MvPlan, SwigluPlan; 1) or
+// resolve them again at every replay as an eager call does (0, for A/B runs).
+int hz_graph_plans = 1;
 int hz_prefetch_act = 1;
 // The Q4_K panel mat-vec issues no software prefetch by default: each thread's panels are one
 // stream in address order, which the hardware prefetchers follow, and the prefetch instructions
@@ -124,29 +127,36 @@ void check_grid(int64_t type_id) {
 struct QuantAct {
     torch::Tensor q, d, s, sf;
     HzAct view;
+    int64_t M = -1;  // the shape the buffers have (view.K and view.qa the rest)
 };
 
-// Quantizes x2 [M, K] float32 into r, whose buffers are reused when they have this shape (a CPU
-// graph's node keeps one QuantAct per activation across replays) and allocated otherwise.
-QuantAct& quantize_act_into(const HzIsa* isa, const torch::Tensor& x2, int64_t qa, QuantAct& r) {
-    const int64_t M = x2.size(0), K = x2.size(1);
-    if (!r.q.defined() || r.q.size(0) != M || r.q.size(1) != K || r.d.size(1) != K / qa) {
-        r.q = torch::empty({M, K}, torch::kInt8);
-        r.d = torch::empty({M, K / qa}, torch::kFloat32);
-        r.s = torch::empty({M, K / 16}, torch::kInt16);
-        r.sf = torch::empty({M, K / 16}, torch::kFloat32);
-    }
-    const float* x = x2.data_ptr<float>();
-    int8_t* q = r.q.data_ptr<int8_t>();
-    float* d = r.d.data_ptr<float>();
-    int16_t* s = r.s.data_ptr<int16_t>();
-    float* sf = r.sf.data_ptr<float>();
+// Quantizes x [M, K] float32 into r's buffers (allocated for that shape by quantize_act_into).
+void quantize_act_raw(const HzIsa* isa, const float* x, int64_t M, QuantAct& r) {
+    const int64_t K = r.view.K, qa = r.view.qa;
+    int8_t* q = const_cast<int8_t*>(r.view.q);
+    float* d = const_cast<float*>(r.view.d);
+    int16_t* s = const_cast<int16_t*>(r.view.s);
+    float* sf = const_cast<float*>(r.view.sf);
     auto fn = isa->quantize;
     auto body = [&](int64_t m0, int64_t m1) {
         fn(x + m0 * K, m1 - m0, K, qa, q + m0 * K, d + m0 * (K / qa), s + m0 * (K / 16), sf + m0 * (K / 16));
     };
     if (M * K >= 65536) at::parallel_for(0, M, 1, body); else body(0, M);
-    r.view = HzAct{q, d, s, sf, K, qa};
+}
+
+// Quantizes x2 [M, K] float32 into r, whose buffers are reused when they have this shape (a CPU
+// graph's node keeps one QuantAct per activation across replays) and allocated otherwise.
+QuantAct& quantize_act_into(const HzIsa* isa, const torch::Tensor& x2, int64_t qa, QuantAct& r) {
+    const int64_t M = x2.size(0), K = x2.size(1);
+    if (r.M != M || r.view.K != K || r.view.qa != qa) {
+        r.q = torch::empty({M, K}, torch::kInt8);
+        r.d = torch::empty({M, K / qa}, torch::kFloat32);
+        r.s = torch::empty({M, K / 16}, torch::kInt16);
+        r.sf = torch::empty({M, K / 16}, torch::kFloat32);
+        r.M = M;
+        r.view = HzAct{r.q.data_ptr<int8_t>(), r.d.data_ptr<float>(), r.s.data_ptr<int16_t>(), r.sf.data_ptr<float>(), K, qa};
+    }
+    quantize_act_raw(isa, x2.data_ptr<float>(), M, r);
     return r;
 }
 
@@ -156,16 +166,6 @@ QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
     return r;
 }
 
-// Buffers a CPU graph's node keeps across replays (graph.h): the quantized activations, one per
-// block size, and swiglu_mul_mat's projections. Null in eager calls: the op allocates them.
-struct OpScratch {
-    std::vector<QuantAct> qa;
-    torch::Tensor gu;
-    QuantAct& slot(size_t i) {
-        if (qa.size() <= i) qa.resize(i + 1);
-        return qa[i];
-    }
-};
 
 // Row-interleaved panels of packed weights (kernels_panels.h), built at load (pack_panels) and
 // registered by the address of the weight's rows. An entry serves an op's weight only while it is the
@@ -174,6 +174,8 @@ struct OpScratch {
 // were built (an in-place write to the rows, e.g. a GGUFTensor copy_, retires the panels: the rows run).
 // hz_use_panels = 0 (set_panels / HANZO_CPU_PANELS=0) runs the rows, for A/B runs.
 std::atomic<int> hz_use_panels{1};
+// Bumped by every change to the registry or to hz_use_panels (PlanKey: prepared mat-vecs re-resolve).
+std::atomic<uint64_t> g_panels_gen{1};
 
 struct PanelEntry {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
@@ -237,12 +239,14 @@ void set_panels_of(const torch::Tensor& w, int64_t type_id, const torch::Tensor&
     std::lock_guard<std::mutex> lock(g_panels_mu);
     for (auto it = g_panels.begin(); it != g_panels.end();) it = it->second.storage.expired() ? g_panels.erase(it) : ++it;
     g_panels.erase(w.data_ptr());
+    g_panels_gen.fetch_add(1);
     g_panels.emplace(w.data_ptr(), PanelEntry{w.storage().getWeakStorageImpl(), w.size(0), w.size(1), w._version(), type_id, panels});
 }
 
 void drop_panels_at(int64_t address) {
     std::lock_guard<std::mutex> lock(g_panels_mu);
     g_panels.erase((const void*)(intptr_t)address);
+    g_panels_gen.fetch_add(1);
 }
 
 void drop_panels_of(const torch::Tensor& w) { drop_panels_at((int64_t)(intptr_t)w.data_ptr()); }
@@ -319,53 +323,30 @@ struct RowSplit {
 struct PrefetchChoice {
     double ns_per_byte[2] = {0.0, 0.0};
     int64_t calls = 0;
+    int arm() {
+        const int64_t k = calls++;
+        if (k < 4) return (int)(k & 1);
+        const int best = ns_per_byte[1] < ns_per_byte[0] ? 1 : 0;
+        return k % 8 == 0 ? 1 - best : best;
+    }
+    void record(int arm, double nspb) {
+        double& v = ns_per_byte[arm];
+        v = calls <= 2 ? nspb : 0.75 * v + 0.25 * nspb;
+    }
 };
+// Eager calls' choices, by the address of the weight's rows (a graph node keeps its own, MvPlan).
 std::mutex g_prefetch_mu;
 std::unordered_map<const void*, PrefetchChoice> g_prefetch_choice;
 
-int prefetch_arm(const void* w) {
-    std::lock_guard<std::mutex> lock(g_prefetch_mu);
-    if (g_prefetch_choice.size() > 65536) g_prefetch_choice.clear();  // weights freed and reallocated
-    PrefetchChoice& c = g_prefetch_choice[w];
-    const int64_t k = c.calls++;
-    if (k < 4) return (int)(k & 1);
-    const int best = c.ns_per_byte[1] < c.ns_per_byte[0] ? 1 : 0;
-    return k % 8 == 0 ? 1 - best : best;
-}
-
-void prefetch_record(const void* w, int arm, double ns_per_byte) {
-    std::lock_guard<std::mutex> lock(g_prefetch_mu);
-    auto it = g_prefetch_choice.find(w);
-    if (it == g_prefetch_choice.end()) return;
-    double& v = it->second.ns_per_byte[arm];
-    v = it->second.calls <= 2 ? ns_per_byte : 0.75 * v + 0.25 * ns_per_byte;
-}
-
-void run_matmul(const HzFormatKernels& fk, const uint8_t* W, int64_t rb, int64_t N, const HzAct& a, int64_t M,
-                float* y, int64_t ldy, int64_t mv_max, const uint8_t* panels = nullptr) {
-    const bool mv = M <= mv_max;
-    if (mv && panels && fk.matvec_panels) {
-        const RowSplit split(N, rb, true, fk.gemm_nr);
-        auto body = [&](int64_t n0, int64_t n1) { fk.matvec_panels(panels, a.K, n0, n1, &a, M, y + n0, ldy); };
-        if (split.serial) body(0, N); else split.run(N, body);
-        return;
-    }
-    hz_matmul_fn fn = mv ? fk.matvec : fk.gemm;
-    const RowSplit split(N, rb, mv, fk.gemm_nr);
+// The tiled GEMM (M > mv_max) of one weight over RowSplit's tasks.
+void run_gemm(const HzFormatKernels& fk, const uint8_t* W, int64_t rb, int64_t N, const HzAct& a, int64_t M,
+              float* y, int64_t ldy) {
+    const RowSplit split(N, rb, false, fk.gemm_nr);
     if (split.serial) {
-        fn(W, rb, 0, N, &a, M, y, ldy);
+        fk.gemm(W, rb, 0, N, &a, M, y, ldy);
         return;
     }
-    if (mv && hz_adaptive_prefetch) {
-        HzAct ac = a;
-        const int arm = prefetch_arm(W);
-        ac.no_prefetch = arm;
-        const int64_t t0 = hz_now_ns();
-        split.run(N, [&](int64_t n0, int64_t n1) { fn(W, rb, n0, n1, &ac, M, y, ldy); });
-        prefetch_record(W, arm, (double)(hz_now_ns() - t0) / (double)(N * rb));
-        return;
-    }
-    split.run(N, [&](int64_t n0, int64_t n1) { fn(W, rb, n0, n1, &a, M, y, ldy); });
+    split.run(N, [&](int64_t n0, int64_t n1) { fk.gemm(W, rb, n0, n1, &a, M, y, ldy); });
 }
 
 torch::Tensor check_x(const torch::Tensor& x, int64_t K_expected, const char* op) {
@@ -380,6 +361,244 @@ int64_t infer_k(const HzFormatKernels& fk, int64_t rb, const char* op) {
     TORCH_CHECK(rb % fk.bytes == 0, op, ": weight rows of ", rb, " bytes are not a whole number of ", fk.bytes,
                 "-byte blocks");
     return rb / fk.bytes * fk.qk;
+}
+
+// What a prepared mat-vec (MvPlan, SwigluPlan) was built from, and whether that has changed since:
+// the ISA level, the row limit, the thread count, the task-size tunables, the panel switches and
+// registry, and the version counters of the weights whose format has panels (an in-place write to
+// the rows retires their panels). keep holds the tensors whose addresses the plan holds.
+struct PlanKey {
+    bool built = false;
+    int64_t isa_level = -1, mv_max = -1, threads = -1, chunk_bytes = -1, min_chunks = -1;
+    int use_panels = -1, adaptive_on = -1;
+    uint64_t panels_gen = 0;
+    std::vector<std::pair<c10::VariableVersion, uint32_t>> versions;
+    std::vector<torch::Tensor> keep;
+
+    void set(int64_t isa_l, int64_t mvm) {
+        built = true;
+        isa_level = isa_l;
+        mv_max = mvm;
+        threads = at::get_num_threads();
+        chunk_bytes = hz_mv_chunk_bytes;
+        min_chunks = hz_mv_min_chunks;
+        use_panels = hz_use_panels.load(std::memory_order_relaxed);
+        adaptive_on = hz_adaptive_prefetch;
+        panels_gen = g_panels_gen.load(std::memory_order_acquire);
+        versions.clear();
+        keep.clear();
+    }
+    // weight w in format fk
+    void add_weight(const HzFormatKernels& fk, const torch::Tensor& w) {
+        if (fk.matvec_panels && !w.is_inference())
+            versions.emplace_back(w.unsafeGetTensorImpl()->version_counter(), w._version());
+        keep.push_back(w);
+    }
+    bool stale(int64_t isa_l, int64_t mvm) const {
+        if (!built || isa_l != isa_level || mvm != mv_max || at::get_num_threads() != threads ||
+            hz_mv_chunk_bytes != chunk_bytes || hz_mv_min_chunks != min_chunks ||
+            hz_use_panels.load(std::memory_order_relaxed) != use_panels || hz_adaptive_prefetch != adaptive_on ||
+            g_panels_gen.load(std::memory_order_acquire) != panels_gen)
+            return true;
+        for (const auto& v : versions)
+            if (v.first.current_version() != v.second) return true;
+        return false;
+    }
+};
+
+// A mat-vec (M <= mv_max) of G weights over one activation x [M, K] float32, every operand resolved
+// to plain values: each weight's rows or panels and kernels, the quantized activation's buffers (one
+// per block size), the outputs and biases, and the tasks (about hz_mv_chunk_bytes of weights each, at
+// least hz_mv_min_chunks per thread, whole 8-row groups, over all G weights in order). mul_mat and
+// mul_mat_group build one per eager call. A CPU graph's node keeps its plan across replays and
+// rebuilds it only when what it was built from has changed (stale()): between the mat-vecs of a
+// decode step the tensors' metadata and the panel registry are out of cache, and resolving them
+// took 2-6 us per node on Zen 4 (mat-vec nodes of 25-60 us), the lookups of panels 0.8 us a weight.
+struct MvPlan {
+    struct Part {
+        const HzFormatKernels* fk;
+        const uint8_t* rows;
+        const uint8_t* panels;  // null: the kernel reads the rows
+        int64_t N, rb;
+        const HzAct* act;
+        float* y;            // [M, N]
+        const float* bias;   // [N] or null
+    };
+    struct Task {
+        int64_t part, n0, n1;
+    };
+    const HzIsa* isa = nullptr;
+    const float* x = nullptr;
+    int64_t M = 0, K = 0, nth = 1;
+    bool serial = true;
+    std::vector<QuantAct> acts;
+    std::vector<Part> parts;
+    std::vector<Task> tasks;
+    // one weight on rows, run in parallel, adaptive prefetch on: PrefetchChoice picks the arm (the
+    // node's own choice in a graph, the eager calls' shared one by address otherwise)
+    bool adaptive = false, graph = false;
+    PrefetchChoice choice;
+    PlanKey key;
+};
+
+// The projections g, u [M, w] (row stride ld) of w output columns -> y [M, w] (row stride ldy):
+// silu(g) * u, g and u first rounded in place as the unfused ops round activations of that dtype
+// (round_to: 0 none, 1 bfloat16, 2 float16).
+void swiglu_epilogue(float* g, float* u, int64_t ld, int64_t M, int64_t round_to, float* y, int64_t ldy, int64_t w) {
+    for (int64_t m = 0; m < M; ++m) {
+        float* a = g + m * ld;
+        float* b = u + m * ld;
+        if (round_to == 1)
+            for (int64_t j = 0; j < w; ++j) { a[j] = (float)c10::BFloat16(a[j]); b[j] = (float)c10::BFloat16(b[j]); }
+        else if (round_to == 2)
+            for (int64_t j = 0; j < w; ++j) { a[j] = (float)c10::Half(a[j]); b[j] = (float)c10::Half(b[j]); }
+        hz_silu_mul(a, b, y + m * ldy, w);
+    }
+}
+
+// swiglu_mul_mat's mat-vec with both weights on panels, its operands resolved as MvPlan's (a graph
+// node keeps it across replays). The tasks are gate's row ranges (rows each, nt of them), then up's,
+// in one region, so each thread's own range is one contiguous stream (with 2 threads: one weight
+// each); whichever of a range's two tasks finishes second runs its epilogue (halves counts them).
+// Interleaving the two weights within a task (gate's range, then up's) measured 12-16% slower from
+// DRAM on Zen 4.
+struct SwigluPlan {
+    PlanKey key;
+    const HzIsa* isa = nullptr;
+    const HzFormatKernels *fg = nullptr, *fu = nullptr;
+    const uint8_t *pg = nullptr, *pu = nullptr;  // the panels
+    const float* x = nullptr;
+    float* y = nullptr;  // [M, F]
+    int64_t M = 0, K = 0, F = 0, round_to = 0, rows = 0, nt = 0, nth = 1;
+    bool share = true;   // one block size: qg serves both weights
+    QuantAct qg, qu;
+    torch::Tensor gu;    // the projections, float32 [2, M, F]
+    std::unique_ptr<std::atomic<int>[]> halves;
+};
+
+void swiglu_plan_run(SwigluPlan& p) {
+    quantize_act_raw(p.isa, p.x, p.M, p.qg);
+    if (!p.share) quantize_act_raw(p.isa, p.x, p.M, p.qu);
+    const HzAct* ag = &p.qg.view;
+    const HzAct* au = p.share ? ag : &p.qu.view;
+    float* gp = p.gu.data_ptr<float>();
+    const int64_t M = p.M, F = p.F, nt = p.nt, rows = p.rows;
+    for (int64_t i = 0; i < nt; ++i) p.halves[i].store(0, std::memory_order_relaxed);
+    run_tasks(2 * nt, p.nth, [&](int64_t t) {
+        const bool up = t >= nt;
+        const int64_t r = up ? t - nt : t, n0 = r * rows, n1 = std::min(F, n0 + rows);
+        (up ? p.fu : p.fg)->matvec_panels(up ? p.pu : p.pg, p.K, n0, n1, up ? au : ag, M, gp + (up ? M * F : 0) + n0, F);
+        if (p.halves[r].fetch_add(1, std::memory_order_acq_rel) == 1)  // the other half is written
+            swiglu_epilogue(gp + n0, gp + M * F + n0, F, M, p.round_to, p.y + n0, F, n1 - n0);
+    });
+}
+
+// Buffers a CPU graph's node keeps across replays (graph.h): the quantized activations, one per
+// block size (GEMM), and the prepared mat-vecs. Null in eager calls: the op allocates them.
+struct OpScratch {
+    std::vector<QuantAct> qa;
+    MvPlan plan;         // mul_mat's and mul_mat_group's mat-vec
+    SwigluPlan swiglu;   // swiglu_mul_mat's over panels
+    QuantAct& slot(size_t i) {
+        if (qa.size() <= i) qa.resize(i + 1);
+        return qa[i];
+    }
+};
+
+// Builds p for x2 [M, K] (float32, contiguous, M <= mv_max) and weights ws (contiguous uint8
+// [N_i, rb_i], formats tids / fk, checked by the caller) into ys (float32 [M, N_i], contiguous),
+// with biases bs (float32 [N_i], contiguous) where given.
+void mv_plan_build(MvPlan& p, int64_t isa_level, int64_t mv_max, const torch::Tensor& x2,
+                   const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& tids,
+                   const std::vector<const HzFormatKernels*>& fk, const std::vector<std::optional<torch::Tensor>>& bs,
+                   const std::vector<torch::Tensor>& ys) {
+    const int64_t G = (int64_t)ws.size();
+    p.key.set(isa_level, mv_max);
+    p.isa = isa_table(isa_level);
+    p.x = x2.data_ptr<float>();
+    p.M = x2.size(0);
+    p.K = x2.size(1);
+    p.key.keep.insert(p.key.keep.end(), ys.begin(), ys.end());
+    p.key.keep.push_back(x2);
+    for (const auto& b : bs)
+        if (b.has_value()) p.key.keep.push_back(*b);
+    p.parts.assign(G, MvPlan::Part{});
+    std::vector<int64_t> act_of(G);
+    int64_t nacts = 0;
+    for (int64_t i = 0; i < G; ++i) {
+        int64_t j = 0;
+        while (j < nacts && p.acts[j].view.qa != fk[i]->qk) ++j;
+        if (j == nacts) {
+            if ((int64_t)p.acts.size() <= nacts) p.acts.emplace_back();
+            quantize_act_into(p.isa, x2, fk[i]->qk, p.acts[nacts++]);  // allocates the buffers
+        }
+        act_of[i] = j;
+    }
+    p.acts.resize(nacts);
+    int64_t total = 0;
+    for (int64_t i = 0; i < G; ++i) total += ws[i].size(0) * ws[i].size(1);
+    p.nth = std::max<int64_t>(1, p.key.threads);
+    p.serial = p.nth == 1 || total < 65536;
+    const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(hz_mv_chunk_bytes, total / (hz_mv_min_chunks * p.nth)));
+    p.tasks.clear();
+    for (int64_t i = 0; i < G; ++i) {
+        const int64_t N = ws[i].size(0), rb = ws[i].size(1);
+        p.key.add_weight(*fk[i], ws[i]);
+        p.parts[i] = {fk[i], ws[i].data_ptr<uint8_t>(), mv_panels(*fk[i], ws[i], tids[i], true), N, rb,
+                      &p.acts[act_of[i]].view, ys[i].data_ptr<float>(),
+                      bs[i].has_value() ? bs[i]->data_ptr<float>() : nullptr};
+        int64_t rows = std::max<int64_t>(1, chunk / std::max<int64_t>(1, rb));
+        if (rows > 8) rows -= rows % 8;  // whole 8-row groups of panels (kernels_panels.h)
+        for (int64_t n0 = 0; n0 < N; n0 += rows) p.tasks.push_back({i, n0, std::min(N, n0 + rows)});
+    }
+    p.adaptive = hz_adaptive_prefetch && G == 1 && !p.parts[0].panels && !p.serial;
+    p.nth = std::min<int64_t>(p.nth, (int64_t)p.tasks.size());
+}
+
+// Runs p: quantizes x (x's current contents) and runs the tasks.
+void mv_plan_run(MvPlan& p) {
+    for (QuantAct& a : p.acts) quantize_act_raw(p.isa, p.x, p.M, a);
+    const int64_t M = p.M, K = p.K;
+    auto task = [&](int64_t t) {
+        const MvPlan::Task& k = p.tasks[t];
+        const MvPlan::Part& w = p.parts[k.part];
+        if (w.panels) w.fk->matvec_panels(w.panels, K, k.n0, k.n1, w.act, M, w.y + k.n0, w.N);
+        else w.fk->matvec(w.rows, w.rb, k.n0, k.n1, w.act, M, w.y, w.N);
+        if (w.bias)
+            for (int64_t m = 0; m < M; ++m)
+                for (int64_t n = k.n0; n < k.n1; ++n) w.y[m * w.N + n] += w.bias[n];
+    };
+    const int64_t ntasks = (int64_t)p.tasks.size();
+    if (p.serial) {
+        for (int64_t t = 0; t < ntasks; ++t) task(t);
+        return;
+    }
+    if (!p.adaptive) {
+        run_tasks(ntasks, p.nth, task);
+        return;
+    }
+    const void* W = p.parts[0].rows;
+    int arm;
+    if (p.graph) {
+        arm = p.choice.arm();
+    } else {
+        std::lock_guard<std::mutex> lock(g_prefetch_mu);
+        if (g_prefetch_choice.size() > 65536) g_prefetch_choice.clear();  // weights freed and reallocated
+        arm = g_prefetch_choice[W].arm();
+    }
+    HzAct& a = p.acts[0].view;  // the one weight's activation
+    a.no_prefetch = arm;
+    const int64_t t0 = hz_now_ns();
+    run_tasks(ntasks, p.nth, task);
+    const double nspb = (double)(hz_now_ns() - t0) / (double)(p.parts[0].N * p.parts[0].rb);
+    a.no_prefetch = 0;
+    if (p.graph) {
+        p.choice.record(arm, nspb);
+    } else {
+        std::lock_guard<std::mutex> lock(g_prefetch_mu);
+        auto it = g_prefetch_choice.find(W);
+        if (it != g_prefetch_choice.end()) it->second.record(arm, nspb);
+    }
 }
 
 // x [M, K] float, w uint8 [N, rb] -> [M, N] float32. out: the result's buffer (float32 [M, N],
@@ -399,10 +618,17 @@ torch::Tensor mul_mat(torch::Tensor x, torch::Tensor w, int64_t type_id, int64_t
     torch::Tensor y = out ? *out : torch::empty({M, N}, torch::kFloat32);
     if (M == 0 || N == 0) return y;
     if (K == 0) return y.zero_();
-    QuantAct own;
-    const QuantAct& qa = quantize_act_into(isa, xf, fk.qk, scratch ? scratch->slot(0) : own);
-    run_matmul(fk, w.data_ptr<uint8_t>(), rb, N, qa.view, M, y.data_ptr<float>(), N, mv_max,
-               mv_panels(fk, w, type_id, M <= mv_max));
+    if (M > mv_max) {
+        QuantAct own;
+        const QuantAct& qa = quantize_act_into(isa, xf, fk.qk, scratch ? scratch->slot(0) : own);
+        run_gemm(fk, w.data_ptr<uint8_t>(), rb, N, qa.view, M, y.data_ptr<float>(), N);
+        return y;
+    }
+    MvPlan own_plan;
+    MvPlan& plan = scratch ? scratch->plan : own_plan;
+    plan.graph = scratch != nullptr;
+    mv_plan_build(plan, isa_level, mv_max, xf, {w}, {type_id}, {&fk}, {std::nullopt}, {y});
+    mv_plan_run(plan);
     return y;
 }
 
@@ -437,54 +663,50 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
     torch::Tensor y = out ? *out : torch::empty({M, F}, torch::kFloat32);
     if (M == 0 || F == 0) return y;
     if (K == 0) return y.zero_();
+    const bool mv = M <= mv_max;
+    const RowSplit split(F, rbg + rbu, mv, std::max<int64_t>(fg.gemm_nr, fu.gemm_nr));
+    const uint8_t* pgp = mv_panels(fg, wg, tg, mv);
+    const uint8_t* pup = mv_panels(fu, wu, tu, mv);
+    if (pgp && pup && !split.serial) {
+        SwigluPlan own_plan;
+        SwigluPlan& p = scratch ? scratch->swiglu : own_plan;
+        p.key.set(isa_level, mv_max);
+        p.key.add_weight(fg, wg);
+        p.key.add_weight(fu, wu);
+        p.key.keep.push_back(xf);
+        p.key.keep.push_back(y);
+        p.isa = isa;
+        p.fg = &fg;
+        p.fu = &fu;
+        p.pg = pgp;
+        p.pu = pup;
+        p.x = xf.data_ptr<float>();
+        p.y = y.data_ptr<float>();
+        p.M = M;
+        p.K = K;
+        p.F = F;
+        p.round_to = round_to;
+        p.rows = split.chunk * split.tile;
+        p.nt = (F + p.rows - 1) / p.rows;
+        p.nth = split.nth;
+        p.share = fu.qk == fg.qk;
+        quantize_act_into(isa, xf, fg.qk, p.qg);  // allocates the buffers
+        if (!p.share) quantize_act_into(isa, xf, fu.qk, p.qu);
+        if (!p.gu.defined() || p.gu.size(1) != M || p.gu.size(2) != F) p.gu = torch::empty({2, M, F}, torch::kFloat32);
+        p.halves.reset(new std::atomic<int>[p.nt]);
+        swiglu_plan_run(p);
+        return y;
+    }
     QuantAct qg_own, qu_own;
     const bool share = fu.qk == fg.qk;
     if (scratch) scratch->slot(1);  // both slots exist before references to them are taken
     const QuantAct& qg = quantize_act_into(isa, xf, fg.qk, scratch ? scratch->slot(0) : qg_own);
     const HzAct& au = share ? qg.view : quantize_act_into(isa, xf, fu.qk, scratch ? scratch->slot(1) : qu_own).view;
-    const bool mv = M <= mv_max;
     hz_matmul_fn fng = mv ? fg.matvec : fg.gemm, fnu = mv ? fu.matvec : fu.gemm;
-    const RowSplit split(F, rbg + rbu, mv, std::max<int64_t>(fg.gemm_nr, fu.gemm_nr));
     const int64_t cols = std::min(F, split.chunk * split.tile);  // rows of one task at most
     const uint8_t* pg = wg.data_ptr<uint8_t>();
     const uint8_t* pu = wu.data_ptr<uint8_t>();
-    const uint8_t* pgp = mv_panels(fg, wg, tg, mv);
-    const uint8_t* pup = mv_panels(fu, wu, tu, mv);
     float* yp = y.data_ptr<float>();
-    // the projections of rows [n0, n0 + w), rounded in place as the unfused ops round them
-    auto epilogue = [&](float* g, float* u, int64_t ld, int64_t n0, int64_t w) {
-        for (int64_t m = 0; m < M; ++m) {
-            float* a = g + m * ld;
-            float* b = u + m * ld;
-            if (round_to == 1)
-                for (int64_t j = 0; j < w; ++j) { a[j] = (float)c10::BFloat16(a[j]); b[j] = (float)c10::BFloat16(b[j]); }
-            else if (round_to == 2)
-                for (int64_t j = 0; j < w; ++j) { a[j] = (float)c10::Half(a[j]); b[j] = (float)c10::Half(b[j]); }
-            hz_silu_mul(a, b, yp + m * F + n0, w);
-        }
-    };
-    if (pgp && pup && !split.serial) {
-        // Both weights on panels: the tasks are gate's row ranges, then up's, in one region, so each
-        // thread's own range is one contiguous stream (with 2 threads: one weight each). Whichever
-        // of a range's two tasks finishes second runs its epilogue. Interleaving the two weights
-        // within a task (gate's range, then up's) measured 12-16% slower from DRAM on Zen 4.
-        torch::Tensor gu_own;
-        torch::Tensor& gu = scratch ? scratch->gu : gu_own;
-        if (!gu.defined() || gu.size(1) != M || gu.size(2) != F) gu = torch::empty({2, M, F}, torch::kFloat32);
-        float* gp = gu.data_ptr<float>();
-        const int64_t rows = split.chunk * split.tile, nt = (F + rows - 1) / rows;
-        std::unique_ptr<std::atomic<int>[]> halves(new std::atomic<int>[nt]);
-        for (int64_t i = 0; i < nt; ++i) halves[i].store(0, std::memory_order_relaxed);
-        run_tasks(2 * nt, split.nth, [&](int64_t t) {
-            const bool up = t >= nt;
-            const int64_t r = up ? t - nt : t, n0 = r * rows, n1 = std::min(F, n0 + rows);
-            (up ? fu : fg).matvec_panels(up ? pup : pgp, K, n0, n1, up ? &au : &qg.view, M,
-                                         gp + (up ? M * F : 0) + n0, F);
-            if (halves[r].fetch_add(1, std::memory_order_acq_rel) == 1)  // the other half is written
-                epilogue(gp + n0, gp + M * F + n0, F, n0, n1 - n0);
-        });
-        return y;
-    }
     split.run(F, [&](int64_t n0, int64_t n1) {
         thread_local std::vector<float> gbuf, ubuf;  // this task's projections, [M, n1 - n0]
         gbuf.resize(M * cols);
@@ -494,7 +716,7 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
         else fng(pg + n0 * rbg, rbg, 0, w, &qg.view, M, gbuf.data(), w);
         if (pup) fu.matvec_panels(pup, K, n0, n1, &au, M, ubuf.data(), w);
         else fnu(pu + n0 * rbu, rbu, 0, w, &au, M, ubuf.data(), w);
-        epilogue(gbuf.data(), ubuf.data(), w, n0, w);
+        swiglu_epilogue(gbuf.data(), ubuf.data(), w, M, round_to, yp + n0, F, w);
     });
     return y;
 }
@@ -545,60 +767,30 @@ std::vector<torch::Tensor> mul_mat_group(torch::Tensor x, std::vector<torch::Ten
     }
     OpScratch own;
     OpScratch& sc = scratch ? *scratch : own;
-    std::vector<QuantAct>& qa = sc.qa;  // one per block size, in order of first use
-    std::vector<int64_t> qa_of(G);
+    if (M <= mv_max) {
+        sc.plan.graph = scratch != nullptr;
+        mv_plan_build(sc.plan, isa_level, mv_max, xf, ws, tids, fk, bs, ys);
+        mv_plan_run(sc.plan);
+        return ys;
+    }
+    std::vector<int64_t> qa_of(G);  // the slot of each weight's block size, quantized once
     int64_t nqa = 0;
     for (int64_t i = 0; i < G; ++i) {
         int64_t j = 0;
-        while (j < nqa && qa[j].view.qa != fk[i]->qk) ++j;
+        while (j < nqa && sc.qa[j].view.qa != fk[i]->qk) ++j;
         if (j == nqa) quantize_act_into(isa, xf, fk[i]->qk, sc.slot(nqa++));
         qa_of[i] = j;
     }
-    auto add_bias = [&](int64_t i, int64_t n0, int64_t n1) {
-        if (!bs[i].has_value()) return;
-        const float* b = bs[i]->data_ptr<float>();
+    for (int64_t i = 0; i < G; ++i) {
+        const QuantAct& qa = sc.qa[qa_of[i]];
         float* y = ys[i].data_ptr<float>();
         const int64_t N = ws[i].size(0);
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t n = n0; n < n1; ++n) y[m * N + n] += b[n];
-    };
-    if (M > mv_max) {
-        for (int64_t i = 0; i < G; ++i) {
-            run_matmul(*fk[i], ws[i].data_ptr<uint8_t>(), ws[i].size(1), ws[i].size(0), qa[qa_of[i]].view, M,
-                       ys[i].data_ptr<float>(), ws[i].size(0), mv_max);
-            add_bias(i, 0, ws[i].size(0));
+        run_gemm(*fk[i], ws[i].data_ptr<uint8_t>(), ws[i].size(1), N, qa.view, M, y, N);
+        if (bs[i].has_value()) {
+            const float* b = bs[i]->data_ptr<float>();
+            for (int64_t m = 0; m < M; ++m)
+                for (int64_t n = 0; n < N; ++n) y[m * N + n] += b[n];
         }
-        return ys;
-    }
-    // tasks: (weight, first row, end row), about chunk bytes each
-    int64_t total = 0;
-    for (int64_t i = 0; i < G; ++i) total += ws[i].size(0) * ws[i].size(1);
-    const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
-    const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(hz_mv_chunk_bytes, total / (hz_mv_min_chunks * nth)));
-    struct Task { int64_t w, n0, n1; };
-    std::vector<Task> tasks;
-    std::vector<const uint8_t*> panels(G, nullptr);
-    for (int64_t i = 0; i < G; ++i) {
-        const int64_t N = ws[i].size(0);
-        int64_t rows = std::max<int64_t>(1, chunk / std::max<int64_t>(1, ws[i].size(1)));
-        if (rows > 8) rows -= rows % 8;  // whole 8-row groups of panels (kernels_panels.h)
-        for (int64_t n0 = 0; n0 < N; n0 += rows) tasks.push_back({i, n0, std::min(N, n0 + rows)});
-        panels[i] = mv_panels(*fk[i], ws[i], tids[i], true);
-    }
-    auto task = [&](int64_t t) {
-        const Task& k = tasks[t];
-        if (panels[k.w])
-            fk[k.w]->matvec_panels(panels[k.w], K, k.n0, k.n1, &qa[qa_of[k.w]].view, M,
-                                   ys[k.w].data_ptr<float>() + k.n0, ws[k.w].size(0));
-        else
-            fk[k.w]->matvec(ws[k.w].data_ptr<uint8_t>(), ws[k.w].size(1), k.n0, k.n1, &qa[qa_of[k.w]].view, M,
-                            ys[k.w].data_ptr<float>(), ws[k.w].size(0));
-        add_bias(k.w, k.n0, k.n1);
-    };
-    if (nth == 1 || total < 65536) {
-        for (int64_t t = 0; t < (int64_t)tasks.size(); ++t) task(t);
-    } else {
-        run_tasks((int64_t)tasks.size(), std::min<int64_t>(nth, (int64_t)tasks.size()), task);
     }
     return ys;
 }
@@ -729,14 +921,15 @@ torch::Tensor dequantize_rows(torch::Tensor w, int64_t type_id, int64_t isa_leve
     return out;
 }
 
-// The activation quantization alone (for tests): x [M, K] -> (q int8 [M,K], d f32 [M,K/qa], s int16 [M,K/16])
+// The activation quantization alone (for tests): x [M, K] -> (q int8 [M,K], d f32 [M,K/qa], s int16 [M,K/16],
+// sf f32 [M,K/16] = d * s)
 std::vector<torch::Tensor> quantize_activation(torch::Tensor x, int64_t qa, int64_t isa_level) {
     const HzIsa* isa = isa_table(isa_level);
     TORCH_CHECK(qa > 0 && qa % 32 == 0, "quantize_activation: qa must be a multiple of 32");
     TORCH_CHECK(x.dim() == 2 && x.size(1) % qa == 0, "quantize_activation: x must be [M, K] with K % qa == 0");
     torch::Tensor xf = x.to(torch::kFloat32).contiguous();
     QuantAct r = quantize_act(isa, xf, qa);
-    return {r.q, r.d, r.s};
+    return {r.q, r.d, r.s, r.sf};
 }
 
 // Install table `slot` (an HzTableSlot of ggml_blocks.h): int8 values, hz_table_numel[slot] of them.
@@ -838,6 +1031,13 @@ std::function<at::Tensor()> graph_rows(const at::Tensor& x) {
     return [x]() { return x.reshape({-1, x.size(-1)}); };
 }
 
+// Whether graph_rows(x) gives the same float32 contiguous rows at every replay, so that a node's
+// MvPlan (which holds their address) stays valid.
+bool graph_rows_fixed(const at::Tensor& x) {
+    const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+    return x2.is_alias_of(x) && x2.is_contiguous() && x2.scalar_type() == at::kFloat;
+}
+
 // All positions in [0, S) (read on the host: these are CPU tensors).
 bool positions_in(const at::Tensor& pos, int64_t S) {
     if (pos.numel() == 1) {
@@ -852,7 +1052,7 @@ bool positions_in(const at::Tensor& pos, int64_t S) {
 }
 
 // A graph node's account of weight w (format tid) at M activation rows: the rows' address and the
-// bytes the mat-vec reads for them, its panels' where run_matmul takes them.
+// bytes the mat-vec reads for them, its panels' where the mat-vec takes them.
 std::pair<int64_t, int64_t> graph_weight(const at::Tensor& w, int64_t tid, int64_t M) {
     const HzFormatKernels& fk = format_kernels(isa_table(g_isa.load(std::memory_order_relaxed)), tid);
     const bool panels = mv_panels(fk, w, tid, M <= g_mv_max.load(std::memory_order_relaxed)) != nullptr;
@@ -868,9 +1068,10 @@ at::Tensor mul_mat_cpu(const at::Tensor& x, const at::Tensor& w, c10::string_vie
     at::Tensor y = mul_mat(as_2d(x), w, tid, g_isa.load(std::memory_order_relaxed), g_mv_max.load(std::memory_order_relaxed));
     if (hz_graph_capturing() && graph_takes(x, "hanzo::mul_mat")) {
         auto sc = std::make_shared<OpScratch>();
-        hz_graph_record("hanzo::mul_mat", [rows = graph_rows(x), w, tid, y, sc]() {
-            mul_mat(rows(), w, tid, g_isa.load(std::memory_order_relaxed), g_mv_max.load(std::memory_order_relaxed), &y,
-                    sc.get());
+        hz_graph_record("hanzo::mul_mat", [rows = graph_rows(x), fixed = graph_rows_fixed(x), w, tid, y, sc]() {
+            const int64_t isa = g_isa.load(std::memory_order_relaxed), mv_max = g_mv_max.load(std::memory_order_relaxed);
+            if (hz_graph_plans && fixed && !sc->plan.key.stale(isa, mv_max)) return mv_plan_run(sc->plan);
+            mul_mat(rows(), w, tid, isa, mv_max, &y, sc.get());
         }, {y}, {graph_weight(w, tid, y.size(0))});
     }
     return to_act(y, x, w.size(0));
@@ -905,9 +1106,10 @@ at::Tensor swiglu_mul_mat_cpu(const at::Tensor& x, const at::Tensor& wg, const a
                                   g_mv_max.load(std::memory_order_relaxed), d == at::kBFloat16 ? 1 : d == at::kHalf ? 2 : 0);
     if (hz_graph_capturing() && graph_takes(x, "hanzo::swiglu_mul_mat")) {
         auto sc = std::make_shared<OpScratch>();
-        hz_graph_record("hanzo::swiglu_mul_mat", [rows = graph_rows(x), wg, wu, tg, tu, y, sc]() {
-            swiglu_mul_mat(rows(), wg, wu, tg, tu, g_isa.load(std::memory_order_relaxed),
-                           g_mv_max.load(std::memory_order_relaxed), 0, &y, sc.get());
+        hz_graph_record("hanzo::swiglu_mul_mat", [rows = graph_rows(x), fixed = graph_rows_fixed(x), wg, wu, tg, tu, y, sc]() {
+            const int64_t isa = g_isa.load(std::memory_order_relaxed), mv_max = g_mv_max.load(std::memory_order_relaxed);
+            if (hz_graph_plans && fixed && !sc->swiglu.key.stale(isa, mv_max)) return swiglu_plan_run(sc->swiglu);
+            swiglu_mul_mat(rows(), wg, wu, tg, tu, isa, mv_max, 0, &y, sc.get());
         }, {y}, {graph_weight(wg, tg, y.size(0)), graph_weight(wu, tu, y.size(0))});
     }
     return to_act(y, x, wg.size(0));
@@ -942,9 +1144,10 @@ std::vector<at::Tensor> mul_mat_group_cpu(const at::Tensor& x, at::TensorList w,
                                                g_mv_max.load(std::memory_order_relaxed));
     if (hz_graph_capturing() && graph_takes(x, "hanzo::mul_mat_group")) {
         auto sc = std::make_shared<OpScratch>();
-        hz_graph_record("hanzo::mul_mat_group", [rows = graph_rows(x), ws, tids, bs, ys, sc]() {
-            mul_mat_group(rows(), ws, tids, bs, g_isa.load(std::memory_order_relaxed),
-                          g_mv_max.load(std::memory_order_relaxed), &ys, sc.get());
+        hz_graph_record("hanzo::mul_mat_group", [rows = graph_rows(x), fixed = graph_rows_fixed(x), ws, tids, bs, ys, sc]() {
+            const int64_t isa = g_isa.load(std::memory_order_relaxed), mv_max = g_mv_max.load(std::memory_order_relaxed);
+            if (hz_graph_plans && fixed && !sc->plan.key.stale(isa, mv_max)) return mv_plan_run(sc->plan);
+            mul_mat_group(rows(), ws, tids, bs, isa, mv_max, &ys, sc.get());
         }, ys, [&] {
             std::vector<std::pair<int64_t, int64_t>> wts;
             for (int64_t i = 0; i < G; ++i) wts.push_back(graph_weight(ws[i], tids[i], ys[i].size(0)));
@@ -1275,7 +1478,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return get_rows(w, ids, tid, isa);
     }, "rows of a packed weight -> [n,K] f32");
     m.def("dequantize_rows", &dequantize_rows, "packed [N,rb] -> [N,K] f32");
-    m.def("quantize_activation", &quantize_activation, "x [M,K] -> int8 blocks (q, d, sums per 16)");
+    m.def("quantize_activation", &quantize_activation, "x [M,K] -> int8 blocks (q, d, sums per 16, d * sums)");
     m.def("set_table", &set_table, "install a constant table (i-quant grid) into its HzTableSlot");
     m.def("supported_isas", &supported_isas, "ISA levels this CPU runs: 0 scalar, 1 avx2, 2 avx512, 3 avx512-sim");
     m.def("isa_built", &isa_built, "whether ISA level l is compiled in (3, avx512-sim: only with the SIMDe headers)");
@@ -1299,6 +1502,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_adaptive_prefetch", [](bool on) { hz_adaptive_prefetch = on ? 1 : 0; },
           "mul_mat's row mat-vec: choose per weight, by measured speed, between the prefetch switches' software "
           "prefetch and none (true) or always the switches' (false)");
+    m.def("set_graph_plans", [](bool on) { hz_graph_plans = on ? 1 : 0; },
+          "CPU graph mat-vec nodes replay their prepared operands (true) or resolve them at every replay");
+    m.def("graph_plans", []() { return hz_graph_plans != 0; }, "whether graph mat-vec nodes replay prepared operands");
     m.def("adaptive_prefetch", []() { return hz_adaptive_prefetch != 0; },
           "whether mul_mat's row mat-vec chooses its software prefetch per weight by measured speed");
     m.def("matvec_gfni", []() { return hz_matvec_gfni != 0; }, "whether the 512-bit Q6_K rows use GF2P8AFFINEQB where the CPU has it");
@@ -1315,7 +1521,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   if (isa->formats[i].type_id == type_id) return isa->formats[i].matvec_panels != nullptr;
               return false;
           }, "whether ISA level l has a panel mat-vec for the ggml type");
-    m.def("set_panels", [](bool on) { hz_use_panels.store(on ? 1 : 0); }, "mat-vec over registered panels (true) or the rows");
+    m.def("set_panels", [](bool on) { hz_use_panels.store(on ? 1 : 0); g_panels_gen.fetch_add(1); }, "mat-vec over registered panels (true) or the rows");
     m.def("panels", []() { return hz_use_panels.load() != 0; }, "whether the mat-vec reads registered panels");
     m.def("set_prefetch_bytes", [](int64_t l1, int64_t l2) { hz_prefetch_bytes = l1; hz_prefetch_l2_bytes = l2; },
           "mat-vec software prefetch distances into L1 and into L2 (bytes, 0: none)", py::arg("l1"), py::arg("l2"));

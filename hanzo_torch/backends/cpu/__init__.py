@@ -83,7 +83,7 @@ __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
            "set_matvec512", "matvec512", "set_matvec_gfni", "matvec_gfni", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks",
            "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2", "set_prefetch_act", "prefetch_act",
-           "set_prefetch_panels", "prefetch_panels", "set_adaptive_prefetch", "adaptive_prefetch", "capture",
+           "set_prefetch_panels", "prefetch_panels", "set_adaptive_prefetch", "adaptive_prefetch", "set_graph_plans", "graph_plans", "capture",
            "GRAPHS"]
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-sim"}
@@ -272,6 +272,7 @@ _SWITCHES = (
     ("HANZO_CPU_PREFETCH_ACT", "set_prefetch_act", "the panel mat-vec's activation prefetch", True),
     ("HANZO_CPU_PREFETCH_PANELS", "set_prefetch_panels", "the panel mat-vec's weight prefetch", False),
     ("HANZO_CPU_ADAPTIVE_PREFETCH", "set_adaptive_prefetch", "the row mat-vec's prefetch chosen per weight", True),
+    ("HANZO_CPU_GRAPH_PLANS", "set_graph_plans", "the CPU graph's prepared mat-vecs", True),
 )
 
 
@@ -279,7 +280,7 @@ def check_environment() -> None:
     """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or one of the switch
     variables (``HANZO_CPU_ADAPTIVE_THREADS``, ``_GEMM512``, ``_REPACK``, ``_RANGED_TASKS``,
     ``_MATVEC512``, ``_GFNI``, ``_PANELS``, ``_PREFETCH_L2``, ``_PREFETCH_ACT``, ``_PREFETCH_PANELS``,
-    ``_ADAPTIVE_PREFETCH``, ``_GRAPH``) is neither 0 nor 1 (cheap: no build, no CPU probe).
+    ``_ADAPTIVE_PREFETCH``, ``_GRAPH_PLANS``, ``_GRAPH``) is neither 0 nor 1 (cheap: no build, no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
     """
@@ -735,6 +736,28 @@ def set_adaptive_prefetch(enabled: bool) -> None:
 def adaptive_prefetch() -> bool:
     """Whether the row mat-vec chooses its software prefetch per weight (:func:`set_adaptive_prefetch`)."""
     return bool(_ext_or_raise().adaptive_prefetch())
+
+
+def set_graph_plans(enabled: bool) -> None:
+    """Let a CPU graph's mat-vec nodes (``mul_mat``, ``mul_mat_group``, ``swiglu_mul_mat``) replay the
+    operands they resolved at their first replay (True, the default): the kernels, weight and panel
+    addresses, activation buffers and tasks, rebuilt only when the ISA level, row limit, thread
+    count, task size, panel switches or registry, or a weight's version counter has changed since
+    (csrc/cpu/ops.cpp, ``PlanKey``). False resolves them again at every replay, as an eager call
+    does. Between the mat-vecs of a decode step the tensors' metadata is out of cache: resolving
+    took 2-7 us per node on a 2-core Zen 4 box, of nodes of 25-60 us for the attention projections.
+    Speed only: the results are the same bits. ``HANZO_CPU_GRAPH_PLANS=0`` (read when the kernels
+    load) sets False.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_graph_plans(bool(enabled))
+
+
+def graph_plans() -> bool:
+    """Whether CPU graph mat-vec nodes replay prepared operands (:func:`set_graph_plans`)."""
+    return bool(_ext_or_raise().graph_plans())
 
 
 def set_panels(enabled: bool) -> None:
