@@ -52,8 +52,9 @@ int hz_prefetch_act = 1;
 // stream in address order, which the hardware prefetchers follow, and the prefetch instructions
 // cost issue slots. Zen 4, token mat-vecs replayed, alternated per round against the L1/L2
 // prefetch of the rows: avx2 level +10.1% per token where a plain read reached 53-60 GB/s (ahead
-// in 156 of 156 rounds), +0.9% where it reached 29-36 (29 of 40); avx512 level 1.003x / 0.999x
-// (93 / 27 rounds) in a build without the AVX-512 prefetch (see above): unmeasured there. The
+// in 156 of 156 rounds), +0.9% where it reached 29-36 (29 of 40); avx512 level (L2, 8 KiB
+// ahead) 1.031x fast (65 rounds) and 1.012x at 38-45 GB/s (85), only the K = 8960 ffn_down
+// losing without it (1.4-4%), and chosen per weight in mul_mat still 1.003x (160 rounds). The
 // rows keep theirs: without it the avx2 level read the Q6_K output matrix at 42.8 against 48.6
 // GB/s in the same fast rounds.
 int hz_prefetch_panels = 0;
