@@ -349,7 +349,7 @@ def test_replayed_mat_vecs_follow_what_their_plans_were_built_from():
             check("panels on again")
         for w, seed in ((wq, 31), (wg, 32), (wo, 33)):
             w.copy_(random_blocks("Q4_K", w.shape[0], K, seed=seed))  # the rows change: panels retired
-        assert not ext.panels_of(wo, hcpu_tid())
+        assert not ext.panels_of(wo, cpu._type_id("Q4_K"))
         with torch.inference_mode():
             check("weights written in place")
             torch.set_num_threads(1)
@@ -366,7 +366,3 @@ def test_replayed_mat_vecs_follow_what_their_plans_were_built_from():
         ext.set_matvec_chunk_bytes(262144, 4)
         cpu.set_panels(True)
         del bufs
-
-
-def hcpu_tid():
-    return cpu._type_id("Q4_K")
