@@ -140,14 +140,16 @@ def test_registration_lapses_on_write_and_refuses_inference_tensors(ext):
 
 
 def test_load_builds_panels_for_copied_q4k_weights(tmp_path):
-    """load(mmap=False) on the CPU: every Q4_K matrix with whole 8-row groups gets panels, the
-    mapped model none; the decode logits of the two agree to the kernels' tolerance and the copy
-    with HANZO_CPU_PANELS off gives the mapped model's bits."""
+    """load(mmap=False) on the CPU: every Q4_K matrix with whole 8-row groups that a mat-vec reads
+    gets panels (the token table too when the LM head is tied to it, not when only the embedding
+    looks it up), the mapped model none; the decode logits of the two agree to the kernels'
+    tolerance and the copy with HANZO_CPU_PANELS off gives the mapped model's bits."""
     from gguf_builders import tiny_spec, write_tiny_gguf
 
-    path = tmp_path / "q4k.gguf"
-    write_tiny_gguf(path, tiny_spec("qwen2", qtypes={"embd": "Q4_K", "attn": "Q4_K", "ffn": "Q4_K",
-                                                      "ffn_down": "Q4_K"}))
+    path, untied = tmp_path / "q4k.gguf", tmp_path / "q4k_untied.gguf"
+    qtypes = {"embd": "Q4_K", "output": "Q4_K", "attn": "Q4_K", "ffn": "Q4_K", "ffn_down": "Q4_K"}
+    write_tiny_gguf(path, tiny_spec("qwen2", qtypes=qtypes))
+    write_tiny_gguf(untied, tiny_spec("qwen2", qtypes=qtypes, tied=False))
     copied = hanzo_torch.load(path, max_context=32, mmap=False)
     mapped = hanzo_torch.load(path, max_context=32, mmap=True)
     ext = hcpu.extension()
@@ -157,6 +159,11 @@ def test_load_builds_panels_for_copied_q4k_weights(tmp_path):
         assert not with_panels
         return
     assert with_panels and all(p.qtype == "Q4_K" for p in with_panels)
+    assert ext.panels_of(copied.token_embd.weight.packed, _tid())  # tied: the LM head's mat-vec reads it
+    separate = hanzo_torch.load(untied, max_context=32, mmap=False)
+    assert not ext.panels_of(separate.token_embd.weight.packed, _tid())  # looked up by get_rows only
+    assert ext.panels_of(separate.output.weight.packed, _tid())
+    assert ext.panels_of(separate.blk[0].attn_q.weight.packed, _tid())
     assert not any(ext.panels_of(p.packed, _tid()) for p in mapped.parameters() if isinstance(p, GGUFTensor))
     ids = torch.tensor([[11, 22, 33]])
     with torch.inference_mode():

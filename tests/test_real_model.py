@@ -50,10 +50,12 @@ def test_chat_answer_is_python_code(model):
 
 def test_rss_stays_near_file_size():
     """In a fresh interpreter: what loading adds to the interpreter's RSS, and loading plus a
-    forward (which pages in every weight), stays under RSS_FACTOR x the file size. Packed weights
-    are views of the mapped file or (load's default where the kernel has huge pages) one packed
-    copy whose file pages are dropped from the mapping; nothing full-precision is allocated. (The
-    absolute RSS after a forward is about 1.35-1.45x: the weights once plus ~300 MiB of torch.)"""
+    forward (which pages in every weight), stays under RSS_FACTOR x the file size plus the CPU
+    mat-vec's row-interleaved panels (those registered after the load; 613 MiB for this model).
+    Packed weights are views of the mapped file or (load's default where the kernel has huge
+    pages) one packed copy whose file pages are dropped from the mapping; nothing full-precision is
+    allocated. (The absolute RSS after a forward is about 1.35-1.45x the file without the panels:
+    the weights once plus ~300 MiB of torch.)"""
     path = _model_path()
     script = textwrap.dedent(f"""
         import json, time, torch, hanzo_torch
@@ -66,16 +68,22 @@ def test_rss_stays_near_file_size():
         m = hanzo_torch.load({str(path)!r}, max_context=512)
         load_s = time.perf_counter() - t
         after_load = rss()
+        from hanzo_torch.backends import cpu
+        ext = cpu.extension()
+        panels = sum(cpu.panel_bytes(p.qtype, tuple(p.packed.shape)) for p in m.parameters()
+                     if hasattr(p, "packed") and ext is not None and cpu.panel_bytes(p.qtype, tuple(p.packed.shape))
+                     and ext.panels_of(p.packed, cpu._type_id(p.qtype)))
         with torch.no_grad():
             m(torch.tensor([[1, 2, 3, 4]]))
-        print(json.dumps(dict(base=base, after_load=after_load, after_forward=rss(), load_s=load_s)))
+        print(json.dumps(dict(base=base, after_load=after_load, after_forward=rss(), load_s=load_s, panels=panels)))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     size = path.stat().st_size
     print(f"\nfile {size / 2**20:.0f} MiB, RSS: start {r['base'] / 2**20:.0f} MiB, after load "
-          f"{r['after_load'] / 2**20:.0f} MiB, after a forward {r['after_forward'] / 2**20:.0f} MiB; "
-          f"load {r['load_s']:.2f} s")
-    assert r["after_load"] - r["base"] < RSS_FACTOR * size
-    assert r["after_forward"] - r["base"] < RSS_FACTOR * size
+          f"{r['after_load'] / 2**20:.0f} MiB, after a forward {r['after_forward'] / 2**20:.0f} MiB "
+          f"(panels {r['panels'] / 2**20:.0f} MiB); load {r['load_s']:.2f} s")
+    assert r["panels"] < 0.6 * size  # the Q4_K matrices' panels only (1.028x their rows)
+    assert r["after_load"] - r["base"] < RSS_FACTOR * size + r["panels"]
+    assert r["after_forward"] - r["base"] < RSS_FACTOR * size + r["panels"]

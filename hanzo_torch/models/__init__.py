@@ -202,8 +202,16 @@ def _host_weights(model: nn.Module, mmap: Optional[bool], f, ranks_here: int = 1
     weights = [w for w, _ in owners.values()]
     on_cpu = all(w.packed.device.type == "cpu" for w in weights)
     # the CPU mat-vec's row-interleaved panels, built beside the copies (backends.cpu.attach_panels)
-    # (mmap=True copies nothing, so it needs neither them nor the kernels that lay them out)
-    panels = sum(cpu.panel_bytes(w.qtype, tuple(w.packed.shape)) for w in weights) if on_cpu and mmap is not True else 0
+    # for the weights a mat-vec reads: not a table that only embeddings look up (an untied
+    # token_embd: 129 MiB of panels for the default model that nothing would read). mmap=True
+    # copies nothing, so it needs neither them nor the kernels that lay them out.
+    from .layers import Embedding
+
+    def _matvec_reads(places) -> bool:
+        return not all(isinstance(module, Embedding) for module, _ in places)
+
+    panels = sum(cpu.panel_bytes(w.qtype, tuple(w.packed.shape)) for w, places in owners.values()
+                 if _matvec_reads(places)) if on_cpu and mmap is not True else 0
     nbytes = sum(w.packed.numel() for w in weights) + panels
     if not weights or host_memory.resolve_mmap(mmap, nbytes * max(1, ranks_here), where=f"load({f.path!r})"):
         return True
@@ -212,7 +220,8 @@ def _host_weights(model: nn.Module, mmap: Optional[bool], f, ranks_here: int = 1
     copied = []
     for (w, places), packed in zip(owners.values(), copies):
         new = nn.Parameter(w._with(packed=packed), requires_grad=False)
-        copied.append(new)
+        if _matvec_reads(places):
+            copied.append(new)
         for module, name in places:
             module._parameters[name] = new
     if panels:
