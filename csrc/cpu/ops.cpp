@@ -145,10 +145,9 @@ void quantize_act_raw(const HzIsa* isa, const float* x, int64_t M, QuantAct& r) 
     if (M * K >= 65536) at::parallel_for(0, M, 1, body); else body(0, M);
 }
 
-// Quantizes x2 [M, K] float32 into r, whose buffers are reused when they have this shape (a CPU
-// graph's node keeps one QuantAct per activation across replays) and allocated otherwise.
-QuantAct& quantize_act_into(const HzIsa* isa, const torch::Tensor& x2, int64_t qa, QuantAct& r) {
-    const int64_t M = x2.size(0), K = x2.size(1);
+// r's buffers for an [M, K] activation in blocks of qa: kept when they have that shape, allocated
+// otherwise.
+void act_buffers(QuantAct& r, int64_t M, int64_t K, int64_t qa) {
     if (r.M != M || r.view.K != K || r.view.qa != qa) {
         r.q = torch::empty({M, K}, torch::kInt8);
         r.d = torch::empty({M, K / qa}, torch::kFloat32);
@@ -157,6 +156,13 @@ QuantAct& quantize_act_into(const HzIsa* isa, const torch::Tensor& x2, int64_t q
         r.M = M;
         r.view = HzAct{r.q.data_ptr<int8_t>(), r.d.data_ptr<float>(), r.s.data_ptr<int16_t>(), r.sf.data_ptr<float>(), K, qa};
     }
+}
+
+// Quantizes x2 [M, K] float32 into r, whose buffers are reused when they have this shape (a CPU
+// graph's node keeps one QuantAct per activation across replays) and allocated otherwise.
+QuantAct& quantize_act_into(const HzIsa* isa, const torch::Tensor& x2, int64_t qa, QuantAct& r) {
+    const int64_t M = x2.size(0), K = x2.size(1);
+    act_buffers(r, M, K, qa);
     quantize_act_raw(isa, x2.data_ptr<float>(), M, r);
     return r;
 }
@@ -531,7 +537,7 @@ void mv_plan_build(MvPlan& p, int64_t isa_level, int64_t mv_max, const torch::Te
         while (j < nacts && p.acts[j].view.qa != fk[i]->qk) ++j;
         if (j == nacts) {
             if ((int64_t)p.acts.size() <= nacts) p.acts.emplace_back();
-            quantize_act_into(p.isa, x2, fk[i]->qk, p.acts[nacts++]);  // allocates the buffers
+            act_buffers(p.acts[nacts++], p.M, p.K, fk[i]->qk);  // mv_plan_run quantizes
         }
         act_of[i] = j;
     }
@@ -691,8 +697,8 @@ torch::Tensor swiglu_mul_mat(torch::Tensor x, torch::Tensor wg, torch::Tensor wu
         p.nt = (F + p.rows - 1) / p.rows;
         p.nth = split.nth;
         p.share = fu.qk == fg.qk;
-        quantize_act_into(isa, xf, fg.qk, p.qg);  // allocates the buffers
-        if (!p.share) quantize_act_into(isa, xf, fu.qk, p.qu);
+        act_buffers(p.qg, M, K, fg.qk);  // swiglu_plan_run quantizes
+        if (!p.share) act_buffers(p.qu, M, K, fu.qk);
         if (!p.gu.defined() || p.gu.size(1) != M || p.gu.size(2) != F) p.gu = torch::empty({2, M, F}, torch::kFloat32);
         p.halves.reset(new std::atomic<int>[p.nt]);
         swiglu_plan_run(p);
