@@ -426,6 +426,7 @@ def test_matvec512_same_bits_as_256_bit_rows(ext, qtype, K):
     ("HANZO_CPU_REPACK", "repack", "set_repack", True),
     ("HANZO_CPU_RANGED_TASKS", "ranged_tasks", "set_ranged_tasks", True),
     ("HANZO_CPU_PANELS", "panels", "set_panels", True),
+    ("HANZO_CPU_Q6K_PLANES", "q6k_planes", "set_q6k_planes", True),
     ("HANZO_CPU_PREFETCH_L2", "prefetch_l2", "set_prefetch_l2", True),
     ("HANZO_CPU_PREFETCH_ACT", "prefetch_act", "set_prefetch_act", True),
     ("HANZO_CPU_PREFETCH_PANELS", "prefetch_panels", "set_prefetch_panels", False),

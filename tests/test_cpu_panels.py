@@ -136,7 +136,10 @@ def test_registration_lapses_on_write_and_refuses_inference_tensors(ext):
         ext.set_panels_of(wi, _tid(), buf)
     with pytest.raises(RuntimeError, match="no panel layout"):
         ext.pack_panels(random_blocks("Q4_K", 12, K, seed=1), _tid(), buf)  # 12 rows: not whole groups
-    assert hcpu.panel_bytes("Q4_K", (12, 144)) == 0 and hcpu.panel_bytes("Q6_K", (16, 210)) == 0
+    assert hcpu.panel_bytes("Q4_K", (12, 144)) == 0
+    planes = hcpu.ISA_NAMES[hcpu.default_isa()] == "avx2"  # Q6_K has planes on the avx2 level only
+    assert hcpu.panel_bytes("Q6_K", (16, 210)) == (16 * 210 if planes else 0)
+    assert hcpu.panel_bytes("Q5_K", (16, 176)) == 0
 
 
 def test_load_builds_panels_for_copied_q4k_weights(tmp_path):
@@ -281,3 +284,141 @@ def test_prefetch_switches_give_the_same_bits(ext, isa, M, switch, N, K):
     finally:
         put(before)
         ext.drop_panels_of(w)
+
+
+# ---------------------------------------------------------------------------- Q6_K planes (avx2)
+
+def _q6k_values(rows: torch.Tensor) -> torch.Tensor:
+    """The unsigned six-bit values (0..63) of Q6_K rows (uint8 [N, nb * 210]) -> uint8 [N, nb, 256],
+    from ggml's layout (ql's nibbles, qh's bit pairs), written out here independently of the C++."""
+    b = rows.reshape(rows.shape[0], -1, 210).to(torch.int32)
+    ql, qh = b[..., :128], b[..., 128:192]
+    out = []
+    for h in range(2):
+        a, c, e = ql[..., 64 * h:64 * h + 32], ql[..., 64 * h + 32:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+        out += [(a & 15) | (e & 3) << 4, (c & 15) | (e >> 2 & 3) << 4, (a >> 4) | (e >> 4 & 3) << 4, (c >> 4) | (e >> 6 & 3) << 4]
+    return torch.cat(out, dim=-1).to(torch.uint8)
+
+
+def _attach_planes(ext, w):
+    tid = hcpu._type_id("Q6_K")
+    n = ext.panel_bytes(tid, *w.shape)
+    assert n == w.numel()
+    buf = torch.empty(n, dtype=torch.uint8)
+    ext.pack_panels(w, tid, buf)
+    ext.set_panels_of(w, tid, buf)
+    return buf
+
+
+def test_q6k_planes_hold_the_documented_layout(ext):
+    """pack_panels' planes of Q6_K rows against kernels_panels.h's formula, computed from the rows
+    here: plane j byte l = q(32j + l) | (q(96 + l) >> 2j & 3) << 6 per 128-value half, scales and d
+    copied."""
+    w = random_blocks("Q6_K", 5, 3 * 256, seed=21)
+    buf = torch.empty(w.numel(), dtype=torch.uint8)
+    ext.pack_panels(w, hcpu._type_id("Q6_K"), buf)
+    q = _q6k_values(w).to(torch.int32)  # [N, nb, 256]
+    p = buf.reshape(5, 3, 210).to(torch.int32)
+    for h in range(2):
+        half, top = q[..., 128 * h:128 * h + 128], q[..., 128 * h + 96:128 * h + 128]
+        for j in range(3):
+            want = half[..., 32 * j:32 * j + 32] | (top >> (2 * j) & 3) << 6
+            assert torch.equal(p[..., 96 * h + 32 * j:96 * h + 32 * j + 32], want), (h, j)
+    assert torch.equal(buf.reshape(5, 3, 210)[..., 192:], w.reshape(5, 3, 210)[..., 192:])
+
+
+@pytest.mark.parametrize("isa", SIMD)
+@pytest.mark.parametrize("N, K", [(37, 9 * 256), (200, 1536)])
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_q6k_planes_give_the_rows_bits(ext, isa, N, K, M):
+    """The avx2 level's Q6_K mat-vec over registered planes gives the rows' bits (the same integers
+    and float steps), within the oracle; a change to the planes changes its result, so it reads
+    them. The other levels have no plane kernel and run the rows."""
+    w = random_blocks("Q6_K", N, K, seed=N + M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(K + M)) * 3
+    rows = hcpu.mul_mat(x, w, "Q6_K", isa=isa)
+    buf = _attach_planes(ext, w)
+    reads = ext.format_has_panels(hcpu._type_id("Q6_K"), hcpu._isa(isa))
+    assert reads == (isa == "avx2")
+    try:
+        assert ext.panels_of(w, hcpu._type_id("Q6_K"))
+        y = hcpu.mul_mat(x, w, "Q6_K", isa=isa)
+        assert torch.equal(y, rows)
+        assert_tight(y, act_dequant(ext, x, 256), gguf_dequant("Q6_K", w, K), f"planes/{isa}/{N}x{K}/M{M}")
+        buf.view(N, -1)[:, 96:128] ^= 0x15  # a half's second plane: values of chunk 1 and chunk 3's bits 2-3
+        assert torch.equal(hcpu.mul_mat(x, w, "Q6_K", isa=isa), rows) != reads
+        hcpu.set_q6k_planes(False)
+        assert not ext.panels_of(w, hcpu._type_id("Q6_K"))
+        assert torch.equal(hcpu.mul_mat(x, w, "Q6_K", isa=isa), rows)
+    finally:
+        hcpu.set_q6k_planes(True)
+        ext.drop_panels_of(w)
+
+
+@pytest.mark.skipif("avx2" not in hcpu.isa_levels(), reason="the avx2 level does not run on this CPU")
+@pytest.mark.parametrize("M", [1, 3])
+def test_fused_ops_on_q6k_planes_equal_mul_mat(ext, M):
+    """mul_mat_group (a Q4_K weight on panels beside a Q6_K one on planes, as attn_q/attn_v) and
+    swiglu_mul_mat (both weights Q6_K on planes: gate's and up's ranges as one region) on the avx2
+    level give mul_mat's bits, with and without the planes, and on 1 and 2 threads."""
+    K, F = 1536, 384
+    wq, wv = random_blocks("Q4_K", F, K, seed=31), random_blocks("Q6_K", F, K, seed=32)
+    wg, wu = random_blocks("Q6_K", F, K, seed=33), random_blocks("Q6_K", F, K, seed=34)
+    _attach(ext, wq)
+    for w in (wv, wg, wu):
+        _attach_planes(ext, w)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 2
+    bias = torch.randn(F)
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for threads, planes in ((2, True), (1, True), (2, False)):
+            torch.set_num_threads(threads)
+            hcpu.set_q6k_planes(planes)
+            q, v = hcpu.mul_mat(x, wq, "Q4_K", isa="avx2"), hcpu.mul_mat(x, wv, "Q6_K", isa="avx2")
+            ys = hcpu.mul_mat_group(x, [wq, wv], ["Q4_K", "Q6_K"], [bias, None], isa="avx2")
+            assert torch.equal(ys[0], q + bias) and torch.equal(ys[1], v)
+            g, u = hcpu.mul_mat(x, wg, "Q6_K", isa="avx2"), hcpu.mul_mat(x, wu, "Q6_K", isa="avx2")
+            with hcpu.use_isa("avx2"), torch.inference_mode():
+                fused = torch.ops.hanzo.swiglu_mul_mat(x, wg, wu, "Q6_K", "Q6_K")
+                assert torch.equal(fused, torch.ops.hanzo.swiglu(g, u))
+            outs.append((v, fused))
+    finally:
+        torch.set_num_threads(old)
+        hcpu.set_q6k_planes(True)
+        for w in (wq, wv, wg, wu):
+            ext.drop_panels_of(w)
+    assert all(torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1]) for a, b in outs[1:])
+
+
+@pytest.mark.skipif("avx2" not in hcpu.isa_levels(), reason="the avx2 level does not run on this CPU")
+def test_load_builds_q6k_planes_when_avx2_is_the_level(tmp_path, monkeypatch):
+    """With avx2 the kernels' level at load, load(mmap=False) gives the Q6_K matrices planes beside
+    the Q4_K panels; decode on avx2 reads them and gives the bits of the rows (planes switched off);
+    with HANZO_CPU_Q6K_PLANES's switch off at load it builds none."""
+    from gguf_builders import tiny_spec, write_tiny_gguf
+
+    path = tmp_path / "q6k.gguf"
+    qtypes = {"embd": "Q4_K", "output": "Q6_K", "attn": "Q4_K", "ffn": "Q4_K", "ffn_down": "Q6_K"}
+    write_tiny_gguf(path, tiny_spec("qwen2", qtypes=qtypes, tied=False))
+    ext = hcpu.extension()
+    tid6 = hcpu._type_id("Q6_K")
+    level = hcpu.default_isa()
+    monkeypatch.setattr(hcpu, "default_isa", lambda: hcpu._isa("avx2"))
+    ext.set_isa(hcpu._isa("avx2"))
+    try:
+        m = hanzo_torch.load(path, max_context=32, mmap=False)
+        q6 = [p for p in m.parameters() if isinstance(p, GGUFTensor) and p.qtype == "Q6_K"]
+        assert q6 and all(ext.panels_of(p.packed, tid6) for p in q6)
+        ids = torch.tensor([[11, 22, 33]])
+        with torch.inference_mode():
+            a = m(ids), m(torch.tensor([[7]]))
+            m.reset()
+            hcpu.set_q6k_planes(False)
+            b = m(ids), m(torch.tensor([[7]]))
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+        off = hanzo_torch.load(path, max_context=32, mmap=False)
+        assert not any(ext.panels_of(p.packed, tid6) for p in off.parameters() if isinstance(p, GGUFTensor))
+    finally:
+        hcpu.set_q6k_planes(True)
+        ext.set_isa(level)

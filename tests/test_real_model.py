@@ -51,7 +51,8 @@ def test_chat_answer_is_python_code(model):
 def test_rss_stays_near_file_size():
     """In a fresh interpreter: what loading adds to the interpreter's RSS, and loading plus a
     forward (which pages in every weight), stays under RSS_FACTOR x the file size plus the CPU
-    mat-vec's row-interleaved panels (those registered after the load; 613 MiB for this model).
+    mat-vec's panels (those registered after the load: the Q4_K matrices' 613 MiB for this model,
+    and on the ``avx2`` level the Q6_K matrices' planes, 338 MiB more).
     Packed weights are views of the mapped file or (load's default where the kernel has huge
     pages) one packed copy whose file pages are dropped from the mapping; nothing full-precision is
     allocated. (The absolute RSS after a forward is about 1.35-1.45x the file without the panels:
@@ -75,7 +76,8 @@ def test_rss_stays_near_file_size():
                      and ext.panels_of(p.packed, cpu._type_id(p.qtype)))
         with torch.no_grad():
             m(torch.tensor([[1, 2, 3, 4]]))
-        print(json.dumps(dict(base=base, after_load=after_load, after_forward=rss(), load_s=load_s, panels=panels)))
+        level = cpu.ISA_NAMES[cpu.default_isa()]
+        print(json.dumps(dict(base=base, after_load=after_load, after_forward=rss(), load_s=load_s, panels=panels, level=level)))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -84,6 +86,7 @@ def test_rss_stays_near_file_size():
     print(f"\nfile {size / 2**20:.0f} MiB, RSS: start {r['base'] / 2**20:.0f} MiB, after load "
           f"{r['after_load'] / 2**20:.0f} MiB, after a forward {r['after_forward'] / 2**20:.0f} MiB "
           f"(panels {r['panels'] / 2**20:.0f} MiB); load {r['load_s']:.2f} s")
-    assert r["panels"] < 0.6 * size  # the Q4_K matrices' panels only (1.028x their rows)
+    # the Q4_K matrices' panels (1.028x their rows), on avx2 with the Q6_K matrices' planes (1x)
+    assert r["panels"] < (0.92 if r["level"] == "avx2" else 0.6) * size
     assert r["after_load"] - r["base"] < RSS_FACTOR * size + r["panels"]
     assert r["after_forward"] - r["base"] < RSS_FACTOR * size + r["panels"]

@@ -49,6 +49,8 @@ typedef void (*hz_panel_fn)(const uint8_t* P, int64_t K, int64_t n0, int64_t n1,
 #define HZ_Q4K_PANEL_D 128    // d of rows 0..7 (fp16)
 #define HZ_Q4K_PANEL_DM 144   // dmin of rows 0..7 (fp16)
 #define HZ_Q4K_PANEL_QS 160   // qs, 1024 bytes
+// Bytes of the three planes of one 128-value half of a Q6_K planes block (layout in kernels_panels.h).
+#define HZ_Q6K_PLANES_HALF 96
 // One packed row of K values -> float32.
 typedef void (*hz_dequant_fn)(const uint8_t* row, int64_t K, float* out);
 // Rows [0, M) of x (f32, row stride K) -> int8 activation blocks of qa values.
@@ -81,8 +83,8 @@ const HzIsa* hz_isa_avx512_sim();
 // format registry (set_table) before use.
 extern const int8_t* hz_tables[HZ_N_TABLES];
 // Software prefetch of the mat-vec weight stream (hz_prefetch_stream in kernels.h, measurements
-// in ops.cpp): on the AVX-512 levels with hz_prefetch_l2 on, into L2 only, hz_prefetch_l2_bytes
-// ahead; otherwise (and on the avx2 level) into L1, hz_prefetch_bytes ahead.
+// in ops.cpp): on the SIMD levels with hz_prefetch_l2 on, into L2 only, hz_prefetch_l2_bytes
+// ahead; otherwise into L1, hz_prefetch_bytes ahead.
 extern int64_t hz_prefetch_bytes, hz_prefetch_l2_bytes;
 extern int hz_prefetch_l2;
 // 1: the AVX-512 level's GEMM uses its 512-bit kernels (kernels_gemm512.h); 0: its 256-bit ones.

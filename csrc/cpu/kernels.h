@@ -269,6 +269,27 @@ template <> struct Hooks<FQ6_K> {  // unsigned q6 with min 32*sc: no sign fix-up
         return _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
     }
 };
+// Q6_K planes (hz_panel_fn of the avx2 level, layout in kernels_panels.h): the rows' scales and d at
+// their offsets, the six-bit values of chunks 0-2 of each half in bits 0-5 of three 32-byte planes
+// and chunk 3's in their bits 6-7, two bits a plane. The same integers as the rows' hooks, so the
+// mat-vec loops below give the rows' bits.
+struct FQ6_KP : FQ6_K {};
+template <> struct Hooks<FQ6_KP> {
+    static constexpr bool SIGNED = false, HAS_MIN = true, SC_PAIRS = false, DM_F16 = false, PREP_AHEAD = false;
+    static constexpr int MIN_LOG2 = 5;
+    typedef PrepK Prep;
+    static inline void prep(const uint8_t* b, Prep& p) { Hooks<FQ6_K>::prep(b, p); }
+    static inline __m256i chunk(const uint8_t* b, const Prep&, int c) {
+        const uint8_t* h = b + HZ_Q6K_PLANES_HALF * (c >> 2);
+        if ((c & 3) < 3) return _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(h + 32 * (c & 3))), _mm256_set1_epi8(0x3f));
+        // the top bit pairs, masked before the 16-bit shifts so no bit crosses into the next byte
+        const __m256i top = _mm256_set1_epi8((char)0xc0);
+        const __m256i t0 = _mm256_srli_epi16(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)h), top), 6);
+        const __m256i t1 = _mm256_srli_epi16(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(h + 32)), top), 4);
+        const __m256i t2 = _mm256_srli_epi16(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(h + 64)), top), 2);
+        return _mm256_or_si256(_mm256_or_si256(t0, t1), t2);
+    }
+};
 template <> struct Hooks<FQ8_0> {
     static constexpr bool SIGNED = true, HAS_MIN = false;
     typedef Prep32 Prep;
@@ -417,9 +438,9 @@ template <> struct Hooks<FQ3_K> {  // unsigned q3 = 2 low bits | high bit << 2, 
 
 static const __m256i* hz_ones16() { static const int16_t o[16] __attribute__((aligned(32))) = {1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}; return (const __m256i*)o; }
 
-// Software prefetch of a mat-vec's weight stream, for the cache lines of [p, p + n): on the
-// AVX-512 levels while hz_prefetch_l2 is on, into L2 only (prefetcht2) hz_prefetch_l2_bytes ahead;
-// otherwise, and always on the avx2 level, into L1 (prefetcht0) hz_prefetch_bytes ahead. A distance
+// Software prefetch of a mat-vec's weight stream, for the cache lines of [p, p + n): on the SIMD
+// levels while hz_prefetch_l2 is on, into L2 only (prefetcht2) hz_prefetch_l2_bytes ahead;
+// otherwise into L1 (prefetcht0) hz_prefetch_bytes ahead. A distance
 // of 0 prefetches nothing, as does an activation marked no_prefetch (hz_api.h; the measurements
 // are in ops.cpp).
 // always_inline: GCC (12) counts __builtin_prefetch as free of side effects, so a call to this
@@ -429,7 +450,7 @@ static const __m256i* hz_ones16() { static const int16_t o[16] __attribute__((al
 // built code for prefetcht2).
 static inline __attribute__((always_inline)) void hz_prefetch_stream(const HzAct* a, const uint8_t* p, int n) {
     if (a->no_prefetch) return;
-#if HZ_ISA >= 2
+#if HZ_ISA >= 1
     if (hz_prefetch_l2) {
         if (hz_prefetch_l2_bytes > 0)
             for (int off = 0; off < n; off += 64) _mm_prefetch((const char*)(p + hz_prefetch_l2_bytes + off), _MM_HINT_T2);
@@ -511,6 +532,9 @@ static void quantize_simd(const float* x, int64_t M, int64_t K, int64_t qa, int8
 template <class T> struct PanelsOf { static constexpr hz_panel_fn fn = nullptr; };
 #if HZ_ISA >= 1
 template <> struct PanelsOf<FQ4_K> { static constexpr hz_panel_fn fn = &matvec_panels_q4k; };
+#if HZ_ISA == 1
+template <> struct PanelsOf<FQ6_K> { static constexpr hz_panel_fn fn = &matvec_planes_q6k; };
+#endif
 #define HZ_ENTRY(T) {T::ID, T::QK, T::BYTES, &matvec_simd<T>, &gemm_simd<T>, &dequant_row<T>, HZ_GEMM_NR, TableOf<T>::value, PanelsOf<T>::fn},
 #define HZ_QUANT quantize_simd
 #else

@@ -28,16 +28,18 @@
 
 extern "C" {
 const int8_t* hz_tables[HZ_N_TABLES] = {};
-// Mat-vec weight prefetch. Into L1 (prefetcht0) 2 KiB ahead: 2-4 KiB measured best of the L1
-// distances on Zen 3 (DRAM stream, 1 thread), and what the avx2 level always does (on Zen 4 its
-// Q6_K output matrix read 48.6 GB/s with it, 42.8 without, in fast minutes). Into L2 only
-// (prefetcht2) 8 KiB ahead on the AVX-512 levels (the helper must stay inline: kernels.h,
+// Mat-vec weight prefetch. Into L1 (prefetcht0) 2 KiB ahead (set_prefetch_l2(False)): 2-4 KiB
+// measured best of the L1 distances on Zen 3 (DRAM stream, 1 thread). Into L2 only (prefetcht2)
+// 8 KiB ahead, the default on every SIMD level (the helper must stay inline: kernels.h,
 // hz_prefetch_stream; benchmarks/RESULTS.md has the builds that lost it). Measured (Zen 4,
 // avx512 level, token replays alternated per round, against no prefetch): L2 8 KiB 1.034x in the
 // fast-memory minutes (72 rounds; the Q6_K output matrix -18% time, the Q6_K ffn_down +2%) and
 // 0.986x in the slow ones (48; output +8%, ffn_down +5%); L2 16 KiB 1.033x / 0.990x; L1 2 KiB
 // 0.990x / 1.000x; L2 at 2 KiB 0.80x and 4 KiB 0.94x (97 fast rounds: prefetches of lines the
-// hardware prefetcher already has in flight). Hence mul_mat's per-weight choice (PrefetchChoice).
+// hardware prefetcher already has in flight). The avx2 level (Zen 4, in process, 54 fast and 66
+// slow rounds against L1 2 KiB, per-weight choice on): token 1.021x fast, 1.004x slow; the Q6_K output
+// matrix -8% time fast, +1% slow, the Q6_K ffn_down -3% in both, and with the Q6_K planes
+// (kernels_panels.h) 1.057x / 1.017x. Hence mul_mat's per-weight choice (PrefetchChoice).
 int64_t hz_prefetch_bytes = 2048, hz_prefetch_l2_bytes = 8192;
 int hz_prefetch_l2 = 1;
 int hz_gemm512 = 1;
@@ -181,7 +183,10 @@ QuantAct quantize_act(const HzIsa* isa, const torch::Tensor& x2, int64_t qa) {
 // were built (an in-place write to the rows, e.g. a GGUFTensor copy_, retires the panels: the rows run).
 // hz_use_panels = 0 (set_panels / HANZO_CPU_PANELS=0) runs the rows, for A/B runs.
 std::atomic<int> hz_use_panels{1};
-// Bumped by every change to the registry or to hz_use_panels (PlanKey: prepared mat-vecs re-resolve).
+// hz_use_q6k_planes = 0 (set_q6k_planes / HANZO_CPU_Q6K_PLANES=0): Q6_K weights run their rows even
+// where planes are registered (the Q4_K panels stay), for A/B runs.
+std::atomic<int> hz_use_q6k_planes{1};
+// Bumped by every change to the registry, hz_use_panels or hz_use_q6k_planes (PlanKey: prepared mat-vecs re-resolve).
 std::atomic<uint64_t> g_panels_gen{1};
 
 struct PanelEntry {
@@ -192,11 +197,16 @@ struct PanelEntry {
 std::mutex g_panels_mu;
 std::unordered_map<const void*, PanelEntry> g_panels;
 
-// Bytes of the panels of an [N, rb] weight of type type_id, or -1 when the format has no panel layout or
-// N is not a whole number of 8-row groups.
+// Bytes of the panels of an [N, rb] weight of type type_id, or -1 when the format has no panel layout
+// or the shape does not fit it (Q4_K: N a whole number of 8-row groups; Q6_K planes: any N).
 int64_t panel_bytes(int64_t type_id, int64_t N, int64_t rb) {
-    if (type_id != block_q4_K::type_id || N <= 0 || N % 8 != 0 || rb <= 0 || rb % (int64_t)sizeof(block_q4_K) != 0) return -1;
-    return N / 8 * (rb / (int64_t)sizeof(block_q4_K)) * HZ_Q4K_PANEL_BYTES;
+    if (N <= 0 || rb <= 0) return -1;
+    if (type_id == block_q4_K::type_id) {
+        if (N % 8 != 0 || rb % (int64_t)sizeof(block_q4_K) != 0) return -1;
+        return N / 8 * (rb / (int64_t)sizeof(block_q4_K)) * HZ_Q4K_PANEL_BYTES;
+    }
+    if (type_id == block_q6_K::type_id) return rb % (int64_t)sizeof(block_q6_K) == 0 ? N * rb : -1;
+    return -1;
 }
 
 // Q4_K rows [N, rb] -> panels (layout in kernels_panels.h), groups [g0, g1) of 8 rows.
@@ -223,6 +233,28 @@ void pack_q4k_groups(const uint8_t* W, int64_t rb, int64_t g0, int64_t g1, uint8
         }
 }
 
+// Q6_K rows [N, rb] -> planes (layout in kernels_panels.h), rows [r0, r1).
+void pack_q6k_planes(const uint8_t* W, int64_t rb, int64_t r0, int64_t r1, uint8_t* P) {
+    static_assert(offsetof(block_q6_K, scales) == 2 * HZ_Q6K_PLANES_HALF, "the planes end where the scales start");
+    const int64_t nb = rb / (int64_t)sizeof(block_q6_K);
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = W + r * rb + b * (int64_t)sizeof(block_q6_K);
+            uint8_t* pb = P + r * rb + b * (int64_t)sizeof(block_q6_K);
+            const uint8_t* ql = blk + offsetof(block_q6_K, ql);
+            const uint8_t* qh = blk + offsetof(block_q6_K, qh);
+            for (int h = 0; h < 2; ++h)
+                for (int l = 0; l < 32; ++l) {
+                    const uint8_t a = ql[64 * h + l], c = ql[64 * h + 32 + l], e = qh[32 * h + l];
+                    const uint8_t q[4] = {(uint8_t)((a & 15) | (e & 3) << 4), (uint8_t)((c & 15) | ((e >> 2) & 3) << 4),
+                                          (uint8_t)((a >> 4) | ((e >> 4) & 3) << 4), (uint8_t)((c >> 4) | ((e >> 6) & 3) << 4)};
+                    for (int j = 0; j < 3; ++j)
+                        pb[HZ_Q6K_PLANES_HALF * h + 32 * j + l] = (uint8_t)(q[j] | ((q[3] >> (2 * j)) & 3) << 6);
+                }
+            memcpy(pb + 2 * HZ_Q6K_PLANES_HALF, blk + offsetof(block_q6_K, scales), sizeof(block_q6_K) - offsetof(block_q6_K, scales));
+        }
+}
+
 // Fills out (uint8, panel_bytes(type_id, N, rb) bytes) with the panels of w (uint8 [N, rb]), in parallel.
 void pack_panels(const torch::Tensor& w, int64_t type_id, torch::Tensor out) {
     TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
@@ -233,7 +265,10 @@ void pack_panels(const torch::Tensor& w, int64_t type_id, torch::Tensor out) {
                 "pack_panels: out must be a contiguous uint8 CPU tensor of ", nbytes, " bytes");
     const uint8_t* W = w.data_ptr<uint8_t>();
     uint8_t* P = out.data_ptr<uint8_t>();
-    at::parallel_for(0, N / 8, 64, [&](int64_t g0, int64_t g1) { pack_q4k_groups(W, rb, g0, g1, P); });
+    if (type_id == block_q6_K::type_id)
+        at::parallel_for(0, N, 512, [&](int64_t r0, int64_t r1) { pack_q6k_planes(W, rb, r0, r1, P); });
+    else
+        at::parallel_for(0, N / 8, 64, [&](int64_t g0, int64_t g1) { pack_q4k_groups(W, rb, g0, g1, P); });
 }
 
 // Registers out as the panels of w (pack_panels' arguments, already filled); entries whose storage
@@ -261,6 +296,7 @@ void drop_panels_of(const torch::Tensor& w) { drop_panels_at((int64_t)(intptr_t)
 // The panels registered for w (contiguous) in format type_id, or null.
 const uint8_t* panels_for(const torch::Tensor& w, int64_t type_id) {
     if (!hz_use_panels.load(std::memory_order_relaxed) || w.is_inference()) return nullptr;
+    if (type_id == block_q6_K::type_id && !hz_use_q6k_planes.load(std::memory_order_relaxed)) return nullptr;
     std::lock_guard<std::mutex> lock(g_panels_mu);
     if (g_panels.empty()) return nullptr;
     auto it = g_panels.find(w.data_ptr());
@@ -558,7 +594,8 @@ void mv_plan_build(MvPlan& p, int64_t isa_level, int64_t mv_max, const torch::Te
         if (rows > 8) rows -= rows % 8;  // whole 8-row groups of panels (kernels_panels.h)
         for (int64_t n0 = 0; n0 < N; n0 += rows) p.tasks.push_back({i, n0, std::min(N, n0 + rows)});
     }
-    p.adaptive = hz_adaptive_prefetch && G == 1 && !p.parts[0].panels && !p.serial;
+    // the Q4_K panels take no stream prefetch (hz_prefetch_panels); the Q6_K planes take the rows'
+    p.adaptive = hz_adaptive_prefetch && G == 1 && !p.serial && (!p.parts[0].panels || tids[0] != block_q4_K::type_id);
     p.nth = std::min<int64_t>(p.nth, (int64_t)p.tasks.size());
 }
 
@@ -1530,6 +1567,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           }, "whether ISA level l has a panel mat-vec for the ggml type");
     m.def("set_panels", [](bool on) { hz_use_panels.store(on ? 1 : 0); g_panels_gen.fetch_add(1); }, "mat-vec over registered panels (true) or the rows");
     m.def("panels", []() { return hz_use_panels.load() != 0; }, "whether the mat-vec reads registered panels");
+    m.def("set_q6k_planes", [](bool on) { hz_use_q6k_planes.store(on ? 1 : 0); g_panels_gen.fetch_add(1); },
+          "the avx2 mat-vec of Q6_K over registered planes (true) or the rows");
+    m.def("q6k_planes", []() { return hz_use_q6k_planes.load() != 0; }, "whether Q6_K mat-vecs read registered planes");
     m.def("set_prefetch_bytes", [](int64_t l1, int64_t l2) { hz_prefetch_bytes = l1; hz_prefetch_l2_bytes = l2; },
           "mat-vec software prefetch distances into L1 and into L2 (bytes, 0: none)", py::arg("l1"), py::arg("l2"));
     m.def("set_prefetch_l2", [](bool on) { hz_prefetch_l2 = on ? 1 : 0; },

@@ -75,7 +75,9 @@ def load(
             ``benchmarks/RESULTS.md``); costs a read of the whole file at load. With the copy, the
             Q4_K weights also get row-interleaved panels for the CPU's decode mat-vec
             (:func:`hanzo_torch.backends.cpu.attach_panels`: about 1.03x their bytes more memory,
-            built in parallel at load; ``HANZO_CPU_PANELS=0`` builds none). None
+            built in parallel at load; ``HANZO_CPU_PANELS=0`` builds none), and where ``avx2`` is
+            the kernels' level, the Q6_K weights planes (1x their bytes; ``HANZO_CPU_Q6K_PLANES=0``
+            builds none). None
             (default): False where the kernel offers transparent huge pages (``always`` or
             ``madvise``) and the weights (with the panels) take at most half of ``MemAvailable``, else True
             (:func:`hanzo_torch.host_memory.resolve_mmap`).
@@ -201,7 +203,7 @@ def _host_weights(model: nn.Module, mmap: Optional[bool], f, ranks_here: int = 1
                 owners.setdefault(id(p), (p, []))[1].append((module, name))
     weights = [w for w, _ in owners.values()]
     on_cpu = all(w.packed.device.type == "cpu" for w in weights)
-    # the CPU mat-vec's row-interleaved panels, built beside the copies (backends.cpu.attach_panels)
+    # the CPU mat-vec's panels (Q4_K; Q6_K planes on avx2), built beside the copies (backends.cpu.attach_panels)
     # for the weights a mat-vec reads: not a table that only embeddings look up (an untied
     # token_embd: 129 MiB of panels for the default model that nothing would read). mmap=True
     # copies nothing, so it needs neither them nor the kernels that lay them out.

@@ -82,7 +82,7 @@ __all__ = ["extension", "available", "isa_levels", "default_isa", "ISA_NAMES", "
            "mul_mat", "mul_mat_id", "swiglu_mul_mat", "mul_mat_group", "get_rows", "dequantize", "build",
            "set_adaptive_threads", "adaptive_threads", "thread_stats", "set_gemm512", "gemm512",
            "set_matvec512", "matvec512", "set_matvec_gfni", "matvec_gfni", "set_repack", "repack", "set_ranged_tasks", "ranged_tasks",
-           "set_panels", "panels", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2", "set_prefetch_act", "prefetch_act",
+           "set_panels", "panels", "set_q6k_planes", "q6k_planes", "panel_bytes", "attach_panels", "set_prefetch_l2", "prefetch_l2", "set_prefetch_act", "prefetch_act",
            "set_prefetch_panels", "prefetch_panels", "set_adaptive_prefetch", "adaptive_prefetch", "set_graph_plans", "graph_plans", "capture",
            "GRAPHS"]
 
@@ -268,6 +268,7 @@ _SWITCHES = (
     ("HANZO_CPU_MATVEC512", "set_matvec512", "the 512-bit mat-vec", True),
     ("HANZO_CPU_GFNI", "set_matvec_gfni", "the Q6_K mat-vec's GF2P8AFFINEQB", True),
     ("HANZO_CPU_PANELS", "set_panels", "the mat-vec over row-interleaved panels", True),
+    ("HANZO_CPU_Q6K_PLANES", "set_q6k_planes", "the avx2 mat-vec over Q6_K planes", True),
     ("HANZO_CPU_PREFETCH_L2", "set_prefetch_l2", "the mat-vec's prefetch into L2", True),
     ("HANZO_CPU_PREFETCH_ACT", "set_prefetch_act", "the panel mat-vec's activation prefetch", True),
     ("HANZO_CPU_PREFETCH_PANELS", "set_prefetch_panels", "the panel mat-vec's weight prefetch", False),
@@ -279,7 +280,7 @@ _SWITCHES = (
 def check_environment() -> None:
     """Raise ValueError when ``HANZO_CPU_ISA`` names no instruction set or one of the switch
     variables (``HANZO_CPU_ADAPTIVE_THREADS``, ``_GEMM512``, ``_REPACK``, ``_RANGED_TASKS``,
-    ``_MATVEC512``, ``_GFNI``, ``_PANELS``, ``_PREFETCH_L2``, ``_PREFETCH_ACT``, ``_PREFETCH_PANELS``,
+    ``_MATVEC512``, ``_GFNI``, ``_PANELS``, ``_Q6K_PLANES``, ``_PREFETCH_L2``, ``_PREFETCH_ACT``, ``_PREFETCH_PANELS``,
     ``_ADAPTIVE_PREFETCH``, ``_GRAPH_PLANS``, ``_GRAPH``) is neither 0 nor 1 (cheap: no build, no CPU probe).
 
     Called before long work (model load, download) so a typo is reported first.
@@ -716,8 +717,8 @@ def prefetch_panels() -> bool:
 
 
 def set_adaptive_prefetch(enabled: bool) -> None:
-    """Let the row mat-vec of ``mul_mat`` (decode, weights without panels: Q6_K and the other
-    formats) choose per weight, by its measured time per byte, between the software prefetch that
+    """Let the mat-vec of ``mul_mat`` over rows or Q6_K planes (decode, weights without Q4_K
+    panels) choose per weight, by its measured time per byte, between the software prefetch that
     :func:`set_prefetch_l2` gives and none (True, the default), or always prefetch (False). Each
     weight's first calls try both, then one call in eight tries the other and the rest take the
     faster (csrc/cpu/ops.cpp, ``PrefetchChoice``). On a Zen 4 box whose memory changes speed from
@@ -779,13 +780,32 @@ def panels() -> bool:
     return bool(_ext_or_raise().panels())
 
 
+def set_q6k_planes(enabled: bool) -> None:
+    """Run the ``avx2`` level's Q6_K mat-vec on the weights' registered planes (True, the default;
+    :func:`attach_panels` builds them when ``avx2`` is the level at load) or on the packed rows
+    (False), for A/B runs; the Q4_K panels stay as :func:`set_panels` has them. Same bits either
+    way. ``HANZO_CPU_Q6K_PLANES=0`` (read when the kernels load) sets False, and
+    :func:`hanzo_torch.load` then builds no planes.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    _ext_or_raise().set_q6k_planes(bool(enabled))
+
+
+def q6k_planes() -> bool:
+    """Whether Q6_K mat-vecs read registered planes (:func:`set_q6k_planes`)."""
+    return bool(_ext_or_raise().q6k_planes())
+
+
 def set_prefetch_l2(enabled: bool) -> None:
-    """On the AVX-512 levels (``avx512``, ``avx512-sim``), prefetch the mat-vec's weight stream
-    into L2 only, 8 KiB ahead (True, the default), or into L1, 2 KiB ahead (False), for A/B runs;
-    the rows, and the Q4_K panels where :func:`set_prefetch_panels` is on. The ``avx2`` level prefetches into L1, never into L2 (it gained nothing from the
-    L2 prefetch). ``mul_mat``'s row mat-vec may run either without prefetch, weight by weight
+    """On the SIMD levels (``avx2``, ``avx512``, ``avx512-sim``), prefetch the mat-vec's weight
+    stream into L2 only, 8 KiB ahead (True, the default), or into L1, 2 KiB ahead (False), for A/B
+    runs; the rows, the Q6_K planes, and the Q4_K panels where :func:`set_prefetch_panels` is on.
+    ``mul_mat``'s mat-vec of one weight may run either without prefetch, weight by weight
     (:func:`set_adaptive_prefetch`). Speed only: the results are the same bits. ``HANZO_CPU_PREFETCH_L2=0`` (read when
-    the kernels load) sets False. The measurements behind the default are in csrc/cpu/ops.cpp (Zen 4).
+    the kernels load) sets False. The measurements behind the default are in csrc/cpu/ops.cpp (Zen 4;
+    the L1 distance was chosen on Zen 3).
 
     Raises:
         RuntimeError: the extension cannot be built.
@@ -794,26 +814,30 @@ def set_prefetch_l2(enabled: bool) -> None:
 
 
 def prefetch_l2() -> bool:
-    """The L2-prefetch setting (:func:`set_prefetch_l2`): whether the AVX-512 levels' mat-vec
-    prefetches its weights into L2 (the ``avx2`` level prefetches into L1 either way)."""
+    """The L2-prefetch setting (:func:`set_prefetch_l2`): whether the SIMD levels' mat-vec
+    prefetches its weights into L2 (else into L1)."""
     return bool(_ext_or_raise().prefetch_l2())
 
 
 def panel_bytes(qtype: str, shape) -> int:
-    """Bytes of the row-interleaved panels of a packed weight of ggml type ``qtype`` and packed
-    shape ``[N, row_bytes]``, or 0 when there are none for it: Q4_K with N a multiple of 8 (layout
-    in csrc/cpu/kernels_panels.h: 1184 bytes per 8 rows and 256 values, 2.8% above the rows), on
-    the ``avx2`` and ``avx512`` levels, with :func:`set_panels` on; 0 without the extension."""
+    """Bytes of the panels (the mat-vec's second packing) of a packed weight of ggml type ``qtype``
+    and packed shape ``[N, row_bytes]``, or 0 when there are none for it at the level the kernels
+    use (:func:`default_isa`) with :func:`set_panels` on: Q4_K with N a multiple of 8 on the ``avx2``
+    and ``avx512`` levels (row-interleaved, 1184 bytes per 8 rows and 256 values, 2.8% above the
+    rows), Q6_K on the ``avx2`` level with :func:`set_q6k_planes` on (planes, the rows' size).
+    Layouts in csrc/cpu/kernels_panels.h. 0 without the extension."""
     ext = extension()
     if (ext is None or qtype not in _REGISTRY or len(shape) != 2 or not ext.panels()
-            or not ext.format_has_panels(_type_id(qtype), int(default_isa()))):
+            or not ext.format_has_panels(_type_id(qtype), int(default_isa()))
+            or (qtype == "Q6_K" and not ext.q6k_planes())):
         return 0
     return max(0, int(ext.panel_bytes(_type_id(qtype), int(shape[0]), int(shape[1]))))
 
 
 def attach_panels(weights) -> int:
-    """Build row-interleaved panels of the packed ``weights`` (:class:`~hanzo_torch.GGUFTensor`
-    of a CPU model) that have a panel layout (:func:`panel_bytes`), in one new mapping advised for
+    """Build the panels of the packed ``weights`` (:class:`~hanzo_torch.GGUFTensor` of a CPU
+    model) that have a panel layout at the kernels' level (:func:`panel_bytes`: Q4_K's
+    row-interleaved panels, Q6_K's planes on ``avx2``), in one new mapping advised for
     huge pages (:func:`hanzo_torch.host_memory.empty_packed`), and register them with the kernels:
     from then on ``hanzo::mul_mat``, ``swiglu_mul_mat`` and ``mul_mat_group`` of up to
     :data:`MV_MAX_ROWS` activation rows read them instead of the rows. The rows stay as they are (the
