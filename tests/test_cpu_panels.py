@@ -217,7 +217,8 @@ def test_prefetch_into_l2_or_l1_gives_the_same_bits(ext, isa):
 def test_adaptive_prefetch_gives_the_same_bits(ext, isa):
     """mul_mat's row mat-vec choosing its prefetch per weight (set_adaptive_prefetch, both arms
     taken over 20 calls) gives the bits of the fixed prefetch and of none, on a weight large enough
-    for the parallel split that makes the choice (Q6_K has no panels; Q4_K with panels off)."""
+    for the parallel split that makes the choice (Q6_K on its rows and then on registered planes,
+    which the avx2 level reads and which take the same choice; Q4_K with panels off)."""
     cases = [("Q6_K", random_blocks("Q6_K", 512, 1536, seed=3)), ("Q4_K", random_blocks("Q4_K", 256, 2048, seed=4))]
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(5)) * 3
     before = hcpu.adaptive_prefetch()
@@ -235,6 +236,13 @@ def test_adaptive_prefetch_gives_the_same_bits(ext, isa):
             for _ in range(20):
                 assert torch.equal(hcpu.mul_mat(xs, w, q, isa=isa), fixed), q
             assert_tight(fixed, act_dequant(ext, xs, 256), gguf_dequant(q, w, K), f"adaptive/{q}/{isa}")
+            if q == "Q6_K":
+                hcpu.set_panels(True)
+                _attach_planes(ext, w)
+                for _ in range(20):
+                    assert torch.equal(hcpu.mul_mat(xs, w, q, isa=isa), fixed), "Q6_K planes"
+                ext.drop_panels_of(w)
+                hcpu.set_panels(False)
     finally:
         hcpu.set_panels(True)
         hcpu.set_adaptive_prefetch(before)
