@@ -164,8 +164,8 @@ static void matvec_panels_q4k(const uint8_t* P, int64_t K, int64_t n0, int64_t n
 // of 32 values each) in bytes [96h, 96h + 96) as three 32-byte planes j = 0..2:
 //   plane j byte l = q(128h + 32j + l) | ((q(128h + 96 + l) >> 2j) & 3) << 6
 // with q the unsigned six-bit value (0..63) of the rows (ql's nibble | qh's pair << 4); the scales
-// and d stay at the rows' offsets [192, 210). A half's four chunks then take 11 vector ops (three
-// masks, and three masks, shifts and two ors for chunk 3) against 17 from ql and qh, in a kernel that
+// and d stay at the rows' offsets [192, 210). A half's four chunks then take 11 vector ops (a mask
+// each for chunks 0-2; three masks, three shifts and two ors for chunk 3) against 17 from ql and qh, in a kernel that
 // on AVX2 runs out of instructions before memory (one thread, L2-resident [512, 1536], Zen 4:
 // 26-28 GB/s of rows, 32-33 of planes). The integers are the rows' (Hooks<FQ6_KP>), so a row's
 // result is the bits the rows give it.
